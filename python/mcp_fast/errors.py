@@ -1,0 +1,68 @@
+"""The exceptions mcp_fast raises.
+
+Every failure of a communication operation is an :class:`MCPError`. The subclasses say what
+went wrong so that a training loop can react (retry, shrink the job, stop) without parsing
+messages. Bad arguments are reported before anything is sent, as the built-in
+``TypeError``/``ValueError``.
+"""
+
+from __future__ import annotations
+
+
+class MCPError(RuntimeError):
+    """Base class of every error raised by mcp_fast's communication layer."""
+
+
+class SpecMismatchError(MCPError):
+    """Ranks called the same operation with different dtypes, shapes, ops or roots.
+
+    Raised on every rank of the operation; the message names the ranks and both specs.
+    """
+
+
+class PeerLostError(MCPError):
+    """A peer stopped answering (killed, frozen, or its link cut).
+
+    Attributes:
+        rank: the rank that was lost, or ``-1`` when unknown.
+        op: the operation that needed it.
+        since: seconds since the peer was last heard from, when known.
+    """
+
+    def __init__(self, message: str, rank: int = -1, op: str = "", since: float | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.op = op
+        self.since = since
+
+
+class MCPTimeoutError(MCPError, TimeoutError):
+    """An operation or the rendezvous did not finish within its timeout."""
+
+
+class AuthenticationError(MCPError):
+    """The TLS handshake failed: the peer does not hold this job's secret (or we do not hold its)."""
+
+
+class VersionMismatchError(MCPError):
+    """The peer speaks another major version of the MCP protocol; the message names both."""
+
+
+class ProtocolError(MCPError):
+    """A peer sent bytes that are not valid MCP (bad frame, checksum failure)."""
+
+
+class GroupClosedError(MCPError):
+    """The group was closed or aborted before the operation could run."""
+
+
+__all__ = [
+    "AuthenticationError",
+    "GroupClosedError",
+    "MCPError",
+    "MCPTimeoutError",
+    "PeerLostError",
+    "ProtocolError",
+    "SpecMismatchError",
+    "VersionMismatchError",
+]
