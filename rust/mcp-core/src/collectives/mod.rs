@@ -1,0 +1,200 @@
+//! The collective algorithms, one per file, each a small async function over a [`Transport`].
+//!
+//! They share [`OpCtx`]: it stamps every frame with the operation's sequence number and
+//! Model-Spec, checks the spec of every frame received against ours (a mismatch is an error,
+//! not garbage), and bounds every wait by the operation's deadline. Large buffers are cut into
+//! chunks (aligned to elements) that are forwarded as soon as each one is ready, so sending,
+//! receiving and reducing overlap.
+
+mod allgather_ring;
+mod allreduce_recursive_doubling;
+mod allreduce_ring;
+mod allreduce_tree;
+mod barrier;
+mod broadcast;
+mod p2p;
+mod reduce_scatter_ring;
+
+pub use allgather_ring::allgather_ring;
+pub use allreduce_recursive_doubling::allreduce_recursive_doubling;
+pub use allreduce_ring::allreduce_ring;
+pub use allreduce_tree::allreduce_tree;
+pub use barrier::barrier_dissemination;
+pub use broadcast::broadcast_binomial;
+pub use p2p::{recv, send};
+pub use reduce_scatter_ring::reduce_scatter_ring;
+
+use crate::error::{Error, Result};
+use crate::transport::{Lane, MsgKey, Transport};
+use crate::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+use std::ops::Range;
+use tokio::time::Instant;
+
+/// Everything an algorithm needs to talk about one operation.
+pub struct OpCtx<'a, T: Transport> {
+    /// The transport.
+    pub t: &'a T,
+    /// Which operation this is.
+    pub kind: FrameKind,
+    /// Its sequence number (per group in call order; per pair for send/recv).
+    pub seq: u64,
+    /// The tensor it moves, as every rank must agree.
+    pub spec: ModelSpec,
+    /// Operation-specific agreement: broadcast root, send tag.
+    pub aux: u32,
+    /// When waiting stops.
+    pub deadline: Instant,
+    /// The operation's whole timeout (for messages).
+    pub timeout: std::time::Duration,
+    /// Largest payload of one frame.
+    pub chunk_bytes: usize,
+}
+
+impl<T: Transport> OpCtx<'_, T> {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.t.rank()
+    }
+
+    /// The world size.
+    pub fn world(&self) -> usize {
+        self.t.world_size()
+    }
+
+    fn lane(&self) -> Lane {
+        Lane::of(self.kind)
+    }
+
+    /// Sends one chunk of step `step` to `peer`.
+    pub async fn send(
+        &self,
+        peer: usize,
+        step: u32,
+        chunk: usize,
+        chunk_count: usize,
+        payload: &[u8],
+    ) -> Result<()> {
+        let header = Header {
+            kind: self.kind,
+            minor: PROTOCOL_MINOR,
+            seq: self.seq,
+            step,
+            chunk: chunk as u32,
+            chunk_count: chunk_count as u32,
+            src: self.rank() as u32,
+            aux: self.aux,
+            spec: self.spec.clone(),
+            payload_len: payload.len() as u64,
+            payload_crc: crc32c::crc32c(payload),
+        };
+        match tokio::time::timeout_at(self.deadline, self.t.send_frame(peer, &header, payload))
+            .await
+        {
+            Ok(r) => r,
+            Err(_) => Err(self.timeout(peer, step, chunk, "sending to")),
+        }
+    }
+
+    /// Receives chunk `chunk` of step `step` from `peer`, checking its spec and length.
+    pub async fn recv(
+        &self,
+        peer: usize,
+        step: u32,
+        chunk: usize,
+        expect_len: usize,
+    ) -> Result<Vec<u8>> {
+        let key = MsgKey {
+            src: peer,
+            lane: self.lane(),
+            seq: self.seq,
+            step,
+            chunk: chunk as u32,
+        };
+        self.t.expect_from(peer);
+        let frame = match tokio::time::timeout_at(self.deadline, self.t.mailbox().recv(key)).await {
+            Ok(r) => r?,
+            Err(_) => return Err(self.timeout(peer, step, chunk, "waiting for")),
+        };
+        self.check(&frame.header)?;
+        if frame.payload.len() != expect_len {
+            return Err(Error::Protocol(format!(
+                "{} (seq {}): rank {peer} sent {} bytes for step {step} chunk {chunk}, expected {expect_len}",
+                self.kind.op_name(),
+                self.seq,
+                frame.payload.len()
+            )));
+        }
+        Ok(frame.payload)
+    }
+
+    /// Checks that a peer's frame describes the same operation as ours.
+    fn check(&self, h: &Header) -> Result<()> {
+        if h.kind == self.kind && h.spec == self.spec && h.aux == self.aux {
+            return Ok(());
+        }
+        Err(Error::SpecMismatch(format!(
+            "operation #{} differs between ranks: rank {} called {} but rank {} called {}",
+            self.seq,
+            h.src,
+            describe(h.kind, &h.spec, h.aux),
+            self.rank(),
+            describe(self.kind, &self.spec, self.aux)
+        )))
+    }
+
+    fn timeout(&self, peer: usize, step: u32, chunk: usize, doing: &str) -> Error {
+        Error::Timeout {
+            what: format!(
+                "{} #{} on rank {}: {doing} rank {peer} (step {step}, chunk {chunk}); is that rank alive and calling the same operation?",
+                self.kind.op_name(),
+                self.seq,
+                self.rank()
+            ),
+            after: self.timeout,
+        }
+    }
+}
+
+fn describe(kind: FrameKind, spec: &ModelSpec, aux: u32) -> String {
+    match kind {
+        FrameKind::Broadcast => format!("{}({spec}, src={aux})", kind.op_name()),
+        FrameKind::Send => format!("{}({spec}, tag={aux})", kind.op_name()),
+        _ => format!("{}({spec})", kind.op_name()),
+    }
+}
+
+/// Splits `n` elements into `parts` contiguous segments, the first `n % parts` one longer;
+/// returns byte ranges.
+pub fn segments(n: usize, parts: usize, elem: usize) -> Vec<Range<usize>> {
+    let base = n / parts;
+    let extra = n % parts;
+    let mut out = Vec::with_capacity(parts);
+    let mut at = 0;
+    for i in 0..parts {
+        let len = base + usize::from(i < extra);
+        out.push(at * elem..(at + len) * elem);
+        at += len;
+    }
+    out
+}
+
+/// Cuts a byte range into chunks of at most `chunk_bytes` (rounded down to whole elements,
+/// at least one element). An empty range gives one empty chunk, so that every step still
+/// exchanges a frame and a disagreement about sizes is caught.
+pub fn chunks(range: Range<usize>, elem: usize, chunk_bytes: usize) -> Vec<Range<usize>> {
+    let step = (chunk_bytes / elem).max(1) * elem;
+    if range.is_empty() {
+        return vec![range];
+    }
+    let mut out = Vec::with_capacity(range.len().div_ceil(step));
+    let mut at = range.start;
+    while at < range.end {
+        let end = (at + step).min(range.end);
+        out.push(at..end);
+        at = end;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,671 @@
+//! Every collective × algorithm × world size × dtype × op × size, on the in-memory transport,
+//! with and without seeded faults, against a sequential reference. Inputs are small integers
+//! (and powers of two for products) so that every summation order gives the same bits, which
+//! makes bit-exact comparison meaningful for the floating types too.
+
+use crate::buffer::RawBuf;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::Error;
+use crate::group::{Algorithm, Group, GroupConfig, Tensor};
+use crate::reduce::{finish_avg, reduce_into};
+use crate::transport::mem::{network, MemChaos, MemTransport};
+use crate::transport::Transport;
+use half::{bf16, f16};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(v as f32).to_ne_bytes()),
+            DType::F64 => out.extend_from_slice(&v.to_ne_bytes()),
+            DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_bits().to_ne_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_bits().to_ne_bytes()),
+            DType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
+            DType::I64 => out.extend_from_slice(&(v as i64).to_ne_bytes()),
+            DType::U8 => out.push(v as u8),
+        }
+    }
+    out
+}
+
+/// Deterministic inputs whose reduction is exact in every order.
+fn input(dtype: DType, op: ReduceOp, rank: usize, n: usize, salt: usize) -> Vec<u8> {
+    let vals: Vec<f64> = (0..n)
+        .map(|i| {
+            let h = (i * 31 + rank * 17 + salt * 7) % 9;
+            match (op, dtype) {
+                (ReduceOp::Prod, DType::U8) => 1.0 + (h % 2) as f64,
+                (ReduceOp::Prod, d) if !d.is_float() => [1.0, 2.0, -1.0][h % 3],
+                (ReduceOp::Prod, _) => [1.0, 2.0, -1.0, 0.5][h % 4],
+                (_, DType::U8) => h as f64,
+                _ => h as f64 - 4.0,
+            }
+        })
+        .collect();
+    encode(dtype, &vals)
+}
+
+fn reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        reduce_into(dtype, op, &mut acc, x).expect("reference reduce");
+    }
+    if op == ReduceOp::Avg {
+        finish_avg(dtype, &mut acc, inputs.len()).expect("reference avg");
+    }
+    acc
+}
+
+fn cfg() -> GroupConfig {
+    GroupConfig {
+        timeout: Duration::from_secs(20),
+        chunk_bytes: 4096,
+        small_bytes: 1024,
+    }
+}
+
+/// Runs `f(group, rank)` on every rank of a `w`-rank in-memory world and returns the results.
+async fn run_world<F, Fut, R>(w: usize, chaos: Option<MemChaos>, cfg: GroupConfig, f: F) -> Vec<R>
+where
+    F: Fn(Group<MemTransport>, usize) -> Fut,
+    Fut: Future<Output = R> + Send + 'static,
+    R: Send + 'static,
+{
+    let ts = network(w, chaos);
+    let handles: Vec<_> = ts
+        .into_iter()
+        .enumerate()
+        .map(|(r, t)| tokio::spawn(f(Group::new(t, cfg.clone()), r)))
+        .collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.expect("rank task panicked"));
+    }
+    out
+}
+
+async fn all_reduce_case(
+    w: usize,
+    dtype: DType,
+    op: ReduceOp,
+    n: usize,
+    algo: Algorithm,
+    chaos: Option<MemChaos>,
+) {
+    let inputs: Vec<Vec<u8>> = (0..w).map(|r| input(dtype, op, r, n, 0)).collect();
+    let want = reference(dtype, op, &inputs);
+    let shape = vec![n as u64];
+    let results = run_world(w, chaos, cfg(), |g, r| {
+        let mut buf = inputs[r].clone();
+        let shape = shape.clone();
+        async move {
+            // SAFETY: `buf` lives, untouched, until the awaited operation has finished.
+            let raw = unsafe { RawBuf::from_slice(&mut buf) };
+            let t = Tensor {
+                buf: raw,
+                dtype,
+                shape: &shape,
+            };
+            g.all_reduce(t, op, algo)
+                .expect("valid arguments")
+                .await
+                .map(|()| buf)
+        }
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        let got = res
+            .unwrap_or_else(|e| panic!("w={w} {dtype} {op} n={n} {algo:?}: rank {r} failed: {e}"));
+        assert_eq!(
+            got, want,
+            "w={w} {dtype} {op} n={n} {algo:?}: rank {r} differs"
+        );
+    }
+}
+
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Avg,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Prod,
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_reduce_every_algorithm_world_dtype_op_and_size() {
+    for algo in [
+        Algorithm::Ring,
+        Algorithm::Tree,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Auto,
+    ] {
+        for w in 1..=8 {
+            for dtype in DType::ALL {
+                for op in OPS {
+                    if op.check(dtype).is_err() {
+                        continue;
+                    }
+                    for n in [0, 1, 7, 1000] {
+                        all_reduce_case(w, dtype, op, n, algo, None).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_reduce_large_buffers_are_chunked_and_exact() {
+    let n = (1 << 20) / 4 + 3;
+    for w in [2, 3, 5, 8] {
+        for algo in [
+            Algorithm::Ring,
+            Algorithm::Tree,
+            Algorithm::RecursiveDoubling,
+        ] {
+            all_reduce_case(w, DType::F32, ReduceOp::Sum, n, algo, None).await;
+        }
+        all_reduce_case(w, DType::BF16, ReduceOp::Max, n, Algorithm::Ring, None).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collectives_are_exact_under_reordering_chaos() {
+    for seed in 0..4 {
+        let chaos = Some(MemChaos {
+            seed,
+            max_delay: Duration::from_micros(300),
+            corrupt: 0.0,
+        });
+        for w in [2, 3, 4, 7] {
+            for algo in [
+                Algorithm::Ring,
+                Algorithm::Tree,
+                Algorithm::RecursiveDoubling,
+            ] {
+                all_reduce_case(w, DType::F32, ReduceOp::Sum, 5000, algo, chaos).await;
+            }
+            broadcast_case(w, 1 % w, 3001, chaos).await;
+            all_gather_case(w, 2999, chaos).await;
+            reduce_scatter_case(w, DType::F64, ReduceOp::Sum, 1001, chaos).await;
+        }
+    }
+}
+
+async fn broadcast_case(w: usize, root: usize, n: usize, chaos: Option<MemChaos>) {
+    let want = input(DType::I64, ReduceOp::Sum, root, n, 3);
+    let shape = vec![n as u64];
+    let results = run_world(w, chaos, cfg(), |g, r| {
+        let mut buf = if r == root {
+            want.clone()
+        } else {
+            vec![0u8; n * 8]
+        };
+        let shape = shape.clone();
+        async move {
+            // SAFETY: `buf` outlives the awaited operation.
+            let t = Tensor {
+                buf: unsafe { RawBuf::from_slice(&mut buf) },
+                dtype: DType::I64,
+                shape: &shape,
+            };
+            g.broadcast(t, root).expect("valid").await.map(|()| buf)
+        }
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        assert_eq!(
+            res.expect("broadcast"),
+            want,
+            "w={w} root={root} n={n}: rank {r}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broadcast_from_every_root() {
+    for w in 1..=8 {
+        for root in 0..w {
+            for n in [0, 1, 7, 5000] {
+                broadcast_case(w, root, n, None).await;
+            }
+        }
+    }
+}
+
+async fn all_gather_case(w: usize, n: usize, chaos: Option<MemChaos>) {
+    let inputs: Vec<Vec<u8>> = (0..w)
+        .map(|r| input(DType::F16, ReduceOp::Sum, r, n, 5))
+        .collect();
+    let want: Vec<u8> = inputs.concat();
+    let (ishape, oshape) = (vec![n as u64], vec![w as u64, n as u64]);
+    let results = run_world(w, chaos, cfg(), |g, r| {
+        let mut inp = inputs[r].clone();
+        let mut out = vec![0u8; n * 2 * w];
+        let (ishape, oshape) = (ishape.clone(), oshape.clone());
+        async move {
+            // SAFETY: both buffers outlive the awaited operation.
+            let (i, o) = unsafe { (RawBuf::from_slice(&mut inp), RawBuf::from_slice(&mut out)) };
+            let it = Tensor {
+                buf: i,
+                dtype: DType::F16,
+                shape: &ishape,
+            };
+            let ot = Tensor {
+                buf: o,
+                dtype: DType::F16,
+                shape: &oshape,
+            };
+            g.all_gather(ot, it).expect("valid").await.map(|()| out)
+        }
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        assert_eq!(res.expect("all_gather"), want, "w={w} n={n}: rank {r}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_gather_every_world_and_size() {
+    for w in 1..=8 {
+        for n in [0, 1, 7, 3001] {
+            all_gather_case(w, n, None).await;
+        }
+    }
+}
+
+async fn reduce_scatter_case(
+    w: usize,
+    dtype: DType,
+    op: ReduceOp,
+    n: usize,
+    chaos: Option<MemChaos>,
+) {
+    let inputs: Vec<Vec<u8>> = (0..w).map(|r| input(dtype, op, r, n * w, 9)).collect();
+    let full = reference(dtype, op, &inputs);
+    let block = n * dtype.size();
+    let (ishape, oshape) = (vec![(w * n) as u64], vec![n as u64]);
+    let results = run_world(w, chaos, cfg(), |g, r| {
+        let mut inp = inputs[r].clone();
+        let mut out = vec![0u8; block];
+        let (ishape, oshape) = (ishape.clone(), oshape.clone());
+        async move {
+            let before = inp.clone();
+            // SAFETY: both buffers outlive the awaited operation.
+            let (i, o) = unsafe { (RawBuf::from_slice(&mut inp), RawBuf::from_slice(&mut out)) };
+            let it = Tensor {
+                buf: i,
+                dtype,
+                shape: &ishape,
+            };
+            let ot = Tensor {
+                buf: o,
+                dtype,
+                shape: &oshape,
+            };
+            let res = g.reduce_scatter(ot, it, op).expect("valid").await;
+            assert_eq!(inp, before, "reduce_scatter must not modify its input");
+            res.map(|()| out)
+        }
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        let got = res.expect("reduce_scatter");
+        assert_eq!(
+            got,
+            full[r * block..(r + 1) * block],
+            "w={w} {dtype} {op} n={n}: rank {r}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reduce_scatter_every_world_dtype_and_op() {
+    for w in 1..=8 {
+        for dtype in DType::ALL {
+            for op in OPS {
+                if op.check(dtype).is_ok() {
+                    for n in [0, 1, 7, 700] {
+                        reduce_scatter_case(w, dtype, op, n, None).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barrier_lets_nobody_through_early() {
+    for w in 1..=8 {
+        let entered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let results = run_world(w, None, cfg(), |g, r| {
+            let entered = entered.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis((r * 3) as u64)).await;
+                entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                g.barrier().expect("valid").await?;
+                Ok::<usize, Error>(entered.load(std::sync::atomic::Ordering::SeqCst))
+            }
+        })
+        .await;
+        for res in results {
+            assert_eq!(res.expect("barrier"), w);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_recv_around_a_ring_in_order() {
+    let w = 4;
+    let n = 10_000;
+    let results = run_world(w, None, cfg(), |g, r| async move {
+        let shape = vec![n as u64];
+        let mut got = Vec::new();
+        for round in 0..3u32 {
+            let mut out = input(DType::I32, ReduceOp::Sum, r, n, round as usize);
+            let mut inb = vec![0u8; n * 4];
+            // SAFETY: both buffers outlive the awaited operations.
+            let (o, i) = unsafe { (RawBuf::from_slice(&mut out), RawBuf::from_slice(&mut inb)) };
+            let s = g.send(
+                Tensor {
+                    buf: o,
+                    dtype: DType::I32,
+                    shape: &shape,
+                },
+                (r + 1) % w,
+                round,
+            )?;
+            let rv = g.recv(
+                Tensor {
+                    buf: i,
+                    dtype: DType::I32,
+                    shape: &shape,
+                },
+                (r + w - 1) % w,
+                round,
+            )?;
+            let (a, b) = tokio::join!(s, rv);
+            a?;
+            b?;
+            got.push(inb);
+        }
+        Ok::<_, Error>(got)
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        let got = res.expect("p2p");
+        for (round, buf) in got.into_iter().enumerate() {
+            assert_eq!(
+                buf,
+                input(DType::I32, ReduceOp::Sum, (r + w - 1) % w, n, round),
+                "rank {r} round {round}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_operations_in_flight_together_do_not_mix() {
+    let w = 3;
+    let results = run_world(w, None, cfg(), |g, r| async move {
+        let shape = vec![3000u64];
+        let mut a = input(DType::F32, ReduceOp::Sum, r, 3000, 1);
+        let mut b = input(DType::F32, ReduceOp::Sum, r, 3000, 2);
+        // SAFETY: both buffers outlive the awaited operations.
+        let (ra, rb) = unsafe { (RawBuf::from_slice(&mut a), RawBuf::from_slice(&mut b)) };
+        let fa = g.all_reduce(
+            Tensor {
+                buf: ra,
+                dtype: DType::F32,
+                shape: &shape,
+            },
+            ReduceOp::Sum,
+            Algorithm::Ring,
+        )?;
+        let fb = g.all_reduce(
+            Tensor {
+                buf: rb,
+                dtype: DType::F32,
+                shape: &shape,
+            },
+            ReduceOp::Max,
+            Algorithm::Tree,
+        )?;
+        let (x, y) = tokio::join!(fb, fa);
+        x?;
+        y?;
+        Ok::<_, Error>((a, b))
+    })
+    .await;
+    let ins_a: Vec<_> = (0..w)
+        .map(|r| input(DType::F32, ReduceOp::Sum, r, 3000, 1))
+        .collect();
+    let ins_b: Vec<_> = (0..w)
+        .map(|r| input(DType::F32, ReduceOp::Sum, r, 3000, 2))
+        .collect();
+    for res in results {
+        let (a, b) = res.expect("both ops");
+        assert_eq!(a, reference(DType::F32, ReduceOp::Sum, &ins_a));
+        assert_eq!(b, reference(DType::F32, ReduceOp::Max, &ins_b));
+    }
+}
+
+/// Every rank runs an all-reduce whose shape depends on the rank.
+async fn mismatched_all_reduce(w: usize, odd_rank: usize) -> Vec<Result<Vec<u8>, Error>> {
+    run_world(w, None, cfg(), move |g, r| async move {
+        let n = if r == odd_rank { 12 } else { 10 };
+        let shape = vec![n as u64];
+        let mut buf = vec![0u8; n * 4];
+        // SAFETY: `buf` outlives the awaited operation.
+        let t = Tensor {
+            buf: unsafe { RawBuf::from_slice(&mut buf) },
+            dtype: DType::F32,
+            shape: &shape,
+        };
+        g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?
+            .await
+            .map(|()| buf)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spec_mismatch_fails_every_rank_and_names_both_specs() {
+    for w in [2, 3, 4] {
+        for odd in 0..w {
+            let started = std::time::Instant::now();
+            for (r, res) in mismatched_all_reduce(w, odd).await.into_iter().enumerate() {
+                match res {
+                    Err(Error::SpecMismatch(m)) => {
+                        assert!(
+                            m.contains("float32[12]") && m.contains("float32[10]"),
+                            "rank {r}: {m}"
+                        )
+                    }
+                    other => panic!("w={w} odd={odd}: rank {r} got {other:?}"),
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "mismatch took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_collectives_on_different_ranks_are_a_mismatch() {
+    let results = run_world(3, None, cfg(), |g, r| async move {
+        let shape = vec![4u64];
+        let mut buf = vec![0u8; 16];
+        // SAFETY: `buf` outlives the awaited operation.
+        let t = Tensor {
+            buf: unsafe { RawBuf::from_slice(&mut buf) },
+            dtype: DType::F32,
+            shape: &shape,
+        };
+        if r == 1 {
+            g.broadcast(t, 0)?.await
+        } else {
+            g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
+        }
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        assert!(
+            matches!(res, Err(Error::SpecMismatch(_))),
+            "rank {r}: {res:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_never_comes_is_a_timeout_for_everyone_else() {
+    let mut c = cfg();
+    c.timeout = Duration::from_millis(300);
+    let results = run_world(3, None, c, |g, r| async move {
+        if r == 2 {
+            return Ok(());
+        }
+        let shape = vec![100u64];
+        let mut buf = vec![0u8; 400];
+        // SAFETY: `buf` outlives the awaited operation.
+        let t = Tensor {
+            buf: unsafe { RawBuf::from_slice(&mut buf) },
+            dtype: DType::F32,
+            shape: &shape,
+        };
+        g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
+    })
+    .await;
+    assert!(
+        matches!(results[0], Err(Error::Timeout { .. })),
+        "{:?}",
+        results[0]
+    );
+    assert!(
+        matches!(results[1], Err(Error::Timeout { .. })),
+        "{:?}",
+        results[1]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_rank_is_a_lost_peer_for_every_survivor() {
+    for w in [3, 4] {
+        let ts = network(w, None);
+        let victim = ts[1].clone();
+        let handles: Vec<_> = ts
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| *r != 1)
+            .map(|(_, t)| {
+                let g = Group::new(t, cfg());
+                tokio::spawn(async move {
+                    let shape = vec![50_000u64];
+                    let mut buf = vec![0u8; 200_000];
+                    // SAFETY: `buf` outlives the awaited operation.
+                    let t = Tensor {
+                        buf: unsafe { RawBuf::from_slice(&mut buf) },
+                        dtype: DType::F32,
+                        shape: &shape,
+                    };
+                    g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        victim.kill();
+        for h in handles {
+            match h.await.expect("join") {
+                Err(Error::PeerLost { rank, .. }) => assert_eq!(rank, 1),
+                other => panic!("w={w}: expected PeerLost(1), got {other:?}"),
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_payloads_are_detected_never_used() {
+    let chaos = Some(MemChaos {
+        seed: 7,
+        max_delay: Duration::from_micros(10),
+        corrupt: 1.0,
+    });
+    let mut c = cfg();
+    c.timeout = Duration::from_secs(5);
+    let results = run_world(3, chaos, c, |g, r| async move {
+        let shape = vec![1000u64];
+        let mut buf = input(DType::F32, ReduceOp::Sum, r, 1000, 0);
+        // SAFETY: `buf` outlives the awaited operation.
+        let t = Tensor {
+            buf: unsafe { RawBuf::from_slice(&mut buf) },
+            dtype: DType::F32,
+            shape: &shape,
+        };
+        g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        assert!(matches!(res, Err(Error::Protocol(_))), "rank {r}: {res:?}");
+    }
+}
+
+#[tokio::test]
+async fn bad_arguments_are_refused_before_anything_is_sent() {
+    let ts = network(2, None);
+    let g = Group::new(ts[0].clone(), cfg());
+    let mut buf = vec![0u8; 16];
+    // SAFETY: `buf` outlives every call below; none of them runs an operation.
+    let raw = unsafe { RawBuf::from_slice(&mut buf) };
+    let shape5 = [5u64];
+    let shape4 = [4u64];
+    let wrong_len = Tensor {
+        buf: raw,
+        dtype: DType::F32,
+        shape: &shape5,
+    };
+    assert!(matches!(
+        g.all_reduce(wrong_len, ReduceOp::Sum, Algorithm::Auto),
+        Err(Error::InvalidArgument(_))
+    ));
+    let ints = Tensor {
+        buf: raw,
+        dtype: DType::I32,
+        shape: &shape4,
+    };
+    assert!(matches!(
+        g.all_reduce(ints, ReduceOp::Avg, Algorithm::Auto),
+        Err(Error::InvalidArgument(_))
+    ));
+    let ok = Tensor {
+        buf: raw,
+        dtype: DType::F32,
+        shape: &shape4,
+    };
+    assert!(matches!(g.broadcast(ok, 2), Err(Error::InvalidArgument(_))));
+    assert!(matches!(g.send(ok, 0, 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        g.all_gather(ok, ok),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        g.reduce_scatter(ok, ok, ReduceOp::Sum),
+        Err(Error::InvalidArgument(_))
+    ));
+    let nine = [1u64; 9];
+    let deep = Tensor {
+        buf: raw,
+        dtype: DType::U8,
+        shape: &nine,
+    };
+    assert!(g.all_reduce(deep, ReduceOp::Sum, Algorithm::Auto).is_err());
+    assert_eq!(ts[0].mailbox().pending(), 0);
+    assert_eq!(ts[1].mailbox().pending(), 0, "nothing reached the peer");
+    g.close().await;
+    assert!(matches!(g.barrier(), Err(Error::Closed(_))));
+}

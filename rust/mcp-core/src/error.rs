@@ -1,0 +1,68 @@
+//! The one error type of the core. Every variant maps to one Python exception in the binding.
+
+use std::time::Duration;
+
+/// What can go wrong in an MCP operation.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// Ranks called the same operation with different kinds, dtypes, shapes, ops or roots.
+    #[error("{0}")]
+    SpecMismatch(String),
+    /// A peer stopped answering: killed, frozen, its link cut, or it closed its group.
+    #[error("peer rank {rank} lost during {op}: {reason}")]
+    PeerLost {
+        /// The rank that was lost.
+        rank: usize,
+        /// The operation that needed it.
+        op: String,
+        /// Why we believe it is lost.
+        reason: String,
+    },
+    /// An operation did not finish before its deadline.
+    #[error("timed out after {:.1} s: {what}", after.as_secs_f64())]
+    Timeout {
+        /// What we were waiting for.
+        what: String,
+        /// How long we waited.
+        after: Duration,
+    },
+    /// The TLS handshake failed: the two sides do not hold the same job secret.
+    #[error("authentication with {peer} failed: {detail}")]
+    Authentication {
+        /// The address or rank of the other side.
+        peer: String,
+        /// What the TLS layer reported.
+        detail: String,
+    },
+    /// The peer speaks another major version of the protocol.
+    #[error("protocol version mismatch with {peer}: this process speaks MCP {ours}, the peer speaks MCP {theirs}")]
+    VersionMismatch {
+        /// Our version.
+        ours: String,
+        /// Theirs.
+        theirs: String,
+        /// The address or rank of the peer.
+        peer: String,
+    },
+    /// A caller passed something the operation cannot work with.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A peer sent bytes that are not valid MCP (bad header, checksum failure, wrong length).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A socket or connection failed for a reason other than the above.
+    #[error("I/O error: {0}")]
+    Io(String),
+    /// The group was closed or aborted.
+    #[error("the group is closed: {0}")]
+    Closed(String),
+}
+
+/// Shorthand used throughout the core.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io(e.to_string())
+    }
+}

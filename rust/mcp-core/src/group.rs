@@ -1,0 +1,524 @@
+//! A process group: the ranks of one job and the operations they run together.
+//!
+//! The group numbers each collective in call order (every rank must call the same
+//! collectives in the same order, as in torch.distributed) and each send/recv per pair, checks
+//! arguments before anything is sent, and turns a failure on one rank into an abort that every
+//! other rank of the operation sees, so that no rank is left waiting.
+
+use crate::buffer::RawBuf;
+use crate::collectives::{self, OpCtx};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::transport::{encode_abort, Lane, Transport};
+use crate::wire::{Codec, FrameKind, Header, ModelSpec, MAX_DIMS, PROTOCOL_MINOR};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Tunables of a group.
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    /// How long one operation may take before it fails with [`Error::Timeout`].
+    pub timeout: Duration,
+    /// Largest payload of one frame; larger buffers are cut into chunks and pipelined.
+    pub chunk_bytes: usize,
+    /// All-reduces of at most this many bytes use recursive doubling under `Auto`.
+    pub small_bytes: usize,
+}
+
+impl Default for GroupConfig {
+    fn default() -> Self {
+        GroupConfig {
+            timeout: Duration::from_secs(300),
+            chunk_bytes: 1 << 20,
+            small_bytes: 64 << 10,
+        }
+    }
+}
+
+/// Which all-reduce algorithm to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Recursive doubling for small buffers, ring for large ones.
+    Auto,
+    /// Ring: bandwidth-optimal.
+    Ring,
+    /// Binomial tree to rank 0 and back.
+    Tree,
+    /// Recursive doubling: latency-optimal.
+    RecursiveDoubling,
+}
+
+impl Algorithm {
+    /// Parses `"auto"`, `"ring"`, `"tree"` or `"recursive_doubling"` (`"rd"`).
+    pub fn from_name(name: &str) -> Result<Algorithm> {
+        match name {
+            "auto" => Ok(Algorithm::Auto),
+            "ring" => Ok(Algorithm::Ring),
+            "tree" => Ok(Algorithm::Tree),
+            "recursive_doubling" | "rd" => Ok(Algorithm::RecursiveDoubling),
+            _ => Err(Error::InvalidArgument(format!(
+                "unknown algorithm {name:?}; use auto, ring, tree or recursive_doubling"
+            ))),
+        }
+    }
+}
+
+/// The description of one tensor argument: where it is and what it holds.
+#[derive(Debug, Clone, Copy)]
+pub struct Tensor<'a> {
+    /// Its memory.
+    pub buf: RawBuf,
+    /// Its element type.
+    pub dtype: DType,
+    /// Its dimensions.
+    pub shape: &'a [u64],
+}
+
+impl Tensor<'_> {
+    fn check(&self, what: &str) -> Result<usize> {
+        if self.shape.len() > MAX_DIMS {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: tensors of at most {MAX_DIMS} dimensions are supported, got {}",
+                self.shape.len()
+            )));
+        }
+        let numel = self
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d as usize));
+        let bytes = numel.and_then(|n| n.checked_mul(self.dtype.size()));
+        if bytes != Some(self.buf.len()) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: shape {:?} of {} needs {:?} bytes, the buffer has {}",
+                self.shape,
+                self.dtype,
+                bytes,
+                self.buf.len()
+            )));
+        }
+        Ok(numel.unwrap_or(0))
+    }
+
+    fn spec(&self, op: ReduceOp) -> ModelSpec {
+        ModelSpec {
+            dtype: self.dtype,
+            op,
+            codec: Codec::None,
+            shape: self.shape.to_vec(),
+        }
+    }
+}
+
+struct Inner<T: Transport> {
+    t: Arc<T>,
+    cfg: GroupConfig,
+    seq: AtomicU64,
+    send_seq: Vec<AtomicU64>,
+    recv_seq: Vec<AtomicU64>,
+    closed: AtomicBool,
+}
+
+/// The ranks of one job over one transport.
+pub struct Group<T: Transport> {
+    inner: Arc<Inner<T>>,
+}
+
+impl<T: Transport> Clone for Group<T> {
+    fn clone(&self) -> Self {
+        Group {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// A boxed operation, ready to be awaited or spawned.
+pub type OpFuture = std::pin::Pin<Box<dyn Future<Output = Result<()>> + Send + 'static>>;
+
+impl<T: Transport> Group<T> {
+    /// A group over a connected transport.
+    pub fn new(t: Arc<T>, cfg: GroupConfig) -> Group<T> {
+        let w = t.world_size();
+        Group {
+            inner: Arc::new(Inner {
+                t,
+                cfg,
+                seq: AtomicU64::new(1),
+                send_seq: (0..w).map(|_| AtomicU64::new(0)).collect(),
+                recv_seq: (0..w).map(|_| AtomicU64::new(0)).collect(),
+                closed: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.inner.t.rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.inner.t.world_size()
+    }
+
+    /// The transport underneath.
+    pub fn transport(&self) -> &Arc<T> {
+        &self.inner.t
+    }
+
+    /// The group's configuration.
+    pub fn config(&self) -> &GroupConfig {
+        &self.inner.cfg
+    }
+
+    fn open(&self) -> Result<()> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed(
+                "the group was closed; create a new one".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_rank(&self, peer: usize, what: &str) -> Result<()> {
+        if peer >= self.world_size() {
+            return Err(Error::InvalidArgument(format!(
+                "{what} rank {peer} is out of range for world_size {}",
+                self.world_size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Wraps an algorithm: builds its context, and on failure aborts the operation on its peers.
+    fn launch<F, Fut>(
+        &self,
+        kind: FrameKind,
+        seq: u64,
+        spec: ModelSpec,
+        aux: u32,
+        peers: Vec<usize>,
+        body: F,
+    ) -> OpFuture
+    where
+        F: FnOnce(Arc<Inner<T>>, OpCtxOwned) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<()>> + Send,
+    {
+        let inner = self.inner.clone();
+        let lane = Lane::of(kind);
+        let owned = OpCtxOwned {
+            kind,
+            seq,
+            spec,
+            aux,
+            deadline: tokio::time::Instant::now() + inner.cfg.timeout,
+            timeout: inner.cfg.timeout,
+            chunk_bytes: inner.cfg.chunk_bytes,
+        };
+        Box::pin(async move {
+            let res = body(inner.clone(), owned).await;
+            let mb = inner.t.mailbox();
+            if let Err(e) = &res {
+                if mb.abort(lane, seq, e.clone()) {
+                    let t = inner.t.clone();
+                    let err = e.clone();
+                    tokio::spawn(async move { send_aborts(t, lane, seq, err, peers).await });
+                }
+            }
+            mb.purge(lane, seq);
+            res
+        })
+    }
+
+    /// All-reduces `t` in place.
+    pub fn all_reduce(
+        &self,
+        t: Tensor<'_>,
+        op: ReduceOp,
+        algorithm: Algorithm,
+    ) -> Result<OpFuture> {
+        self.open()?;
+        t.check("all_reduce")?;
+        op.check(t.dtype)?;
+        if op == ReduceOp::None {
+            return Err(Error::InvalidArgument(
+                "all_reduce needs a reduce op".into(),
+            ));
+        }
+        let algorithm = match algorithm {
+            Algorithm::Auto if t.buf.len() <= self.inner.cfg.small_bytes => {
+                Algorithm::RecursiveDoubling
+            }
+            Algorithm::Auto => Algorithm::Ring,
+            a => a,
+        };
+        let (buf, dtype) = (t.buf, t.dtype);
+        let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
+        Ok(self.launch(
+            FrameKind::AllReduce,
+            seq,
+            t.spec(op),
+            algorithm as u32,
+            self.all_peers(),
+            move |inner, o| async move {
+                let ctx = o.ctx(&*inner.t);
+                match algorithm {
+                    Algorithm::Tree => collectives::allreduce_tree(&ctx, buf, dtype, op).await,
+                    Algorithm::RecursiveDoubling => {
+                        collectives::allreduce_recursive_doubling(&ctx, buf, dtype, op).await
+                    }
+                    _ => collectives::allreduce_ring(&ctx, buf, dtype, op).await,
+                }
+            },
+        ))
+    }
+
+    /// Broadcasts `t` from rank `src` to every rank, in place.
+    pub fn broadcast(&self, t: Tensor<'_>, src: usize) -> Result<OpFuture> {
+        self.open()?;
+        t.check("broadcast")?;
+        self.check_rank(src, "broadcast source")?;
+        let (buf, elem) = (t.buf, t.dtype.size());
+        let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
+        Ok(self.launch(
+            FrameKind::Broadcast,
+            seq,
+            t.spec(ReduceOp::None),
+            src as u32,
+            self.all_peers(),
+            move |inner, o| async move {
+                collectives::broadcast_binomial(&o.ctx(&*inner.t), buf, elem, src).await
+            },
+        ))
+    }
+
+    /// Gathers every rank's `input` into `out`, whose first dimension is the world size.
+    pub fn all_gather(&self, out: Tensor<'_>, input: Tensor<'_>) -> Result<OpFuture> {
+        self.open()?;
+        input.check("all_gather input")?;
+        out.check("all_gather output")?;
+        if out.dtype != input.dtype || out.buf.len() != input.buf.len() * self.world_size() {
+            return Err(Error::InvalidArgument(format!(
+                "all_gather output must be {} of world_size ({}) x input shape {:?}; got {} {:?}",
+                input.dtype,
+                self.world_size(),
+                input.shape,
+                out.dtype,
+                out.shape
+            )));
+        }
+        let (o_buf, i_buf, elem) = (out.buf, input.buf, input.dtype.size());
+        let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
+        Ok(self.launch(
+            FrameKind::AllGather,
+            seq,
+            input.spec(ReduceOp::None),
+            0,
+            self.all_peers(),
+            move |inner, o| async move {
+                collectives::allgather_ring(&o.ctx(&*inner.t), o_buf, i_buf, elem).await
+            },
+        ))
+    }
+
+    /// Reduces `input` (world size times `out`'s elements) and leaves this rank's block in `out`.
+    pub fn reduce_scatter(
+        &self,
+        out: Tensor<'_>,
+        input: Tensor<'_>,
+        op: ReduceOp,
+    ) -> Result<OpFuture> {
+        self.open()?;
+        input.check("reduce_scatter input")?;
+        out.check("reduce_scatter output")?;
+        op.check(input.dtype)?;
+        if op == ReduceOp::None {
+            return Err(Error::InvalidArgument(
+                "reduce_scatter needs a reduce op".into(),
+            ));
+        }
+        if out.dtype != input.dtype || input.buf.len() != out.buf.len() * self.world_size() {
+            return Err(Error::InvalidArgument(format!(
+                "reduce_scatter input must be {} with world_size ({}) x the output's elements; got input {} {:?}, output {:?}",
+                out.dtype,
+                self.world_size(),
+                input.dtype,
+                input.shape,
+                out.shape
+            )));
+        }
+        let (o_buf, i_buf, dtype) = (out.buf, input.buf, input.dtype);
+        let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
+        Ok(self.launch(
+            FrameKind::ReduceScatter,
+            seq,
+            out.spec(op),
+            0,
+            self.all_peers(),
+            move |inner, o| async move {
+                collectives::reduce_scatter_ring(&o.ctx(&*inner.t), o_buf, i_buf, dtype, op).await
+            },
+        ))
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<OpFuture> {
+        self.open()?;
+        let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
+        let spec = ModelSpec::flat(DType::U8, ReduceOp::None, 0);
+        Ok(
+            self.launch(
+                FrameKind::Barrier,
+                seq,
+                spec,
+                0,
+                self.all_peers(),
+                move |inner, o| async move {
+                    collectives::barrier_dissemination(&o.ctx(&*inner.t)).await
+                },
+            ),
+        )
+    }
+
+    /// Sends `t` to rank `dst`; matched with the receiver's `recv` in order, per pair.
+    pub fn send(&self, t: Tensor<'_>, dst: usize, tag: u32) -> Result<OpFuture> {
+        self.open()?;
+        t.check("send")?;
+        self.check_rank(dst, "send destination")?;
+        if dst == self.rank() {
+            return Err(Error::InvalidArgument(
+                "send to self is not supported; copy the tensor instead".into(),
+            ));
+        }
+        let (buf, elem) = (t.buf, t.dtype.size());
+        let seq = p2p_seq(
+            self.rank(),
+            self.inner.send_seq[dst].fetch_add(1, Ordering::AcqRel),
+        );
+        Ok(
+            self.launch(
+                FrameKind::Send,
+                seq,
+                t.spec(ReduceOp::None),
+                tag,
+                vec![dst],
+                move |inner, o| async move {
+                    collectives::send(&o.ctx(&*inner.t), buf, elem, dst).await
+                },
+            ),
+        )
+    }
+
+    /// Receives into `t` from rank `src`.
+    pub fn recv(&self, t: Tensor<'_>, src: usize, tag: u32) -> Result<OpFuture> {
+        self.open()?;
+        t.check("recv")?;
+        self.check_rank(src, "recv source")?;
+        if src == self.rank() {
+            return Err(Error::InvalidArgument(
+                "recv from self is not supported".into(),
+            ));
+        }
+        let (buf, elem) = (t.buf, t.dtype.size());
+        let seq = p2p_seq(src, self.inner.recv_seq[src].fetch_add(1, Ordering::AcqRel));
+        Ok(
+            self.launch(
+                FrameKind::Send,
+                seq,
+                t.spec(ReduceOp::None),
+                tag,
+                vec![src],
+                move |inner, o| async move {
+                    collectives::recv(&o.ctx(&*inner.t), buf, elem, src).await
+                },
+            ),
+        )
+    }
+
+    /// Marks the group closed (later calls fail) and tells the peers goodbye.
+    pub async fn close(&self) {
+        if !self.inner.closed.swap(true, Ordering::AcqRel) {
+            self.inner.t.goodbye().await;
+        }
+    }
+
+    fn all_peers(&self) -> Vec<usize> {
+        (0..self.world_size())
+            .filter(|&p| p != self.rank())
+            .collect()
+    }
+}
+
+/// The sequence number of the `n`-th message from `sender` to one receiver: the sender is
+/// part of it so that the receiver's mailbox never confuses two senders' messages.
+fn p2p_seq(sender: usize, n: u64) -> u64 {
+    ((sender as u64) << 40) | (n & ((1 << 40) - 1))
+}
+
+/// The owned parts of an [`OpCtx`], moved into the operation's future.
+pub struct OpCtxOwned {
+    kind: FrameKind,
+    seq: u64,
+    spec: ModelSpec,
+    aux: u32,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+    chunk_bytes: usize,
+}
+
+impl OpCtxOwned {
+    fn ctx<'a, T: Transport>(&self, t: &'a T) -> OpCtx<'a, T> {
+        OpCtx {
+            t,
+            kind: self.kind,
+            seq: self.seq,
+            spec: self.spec.clone(),
+            aux: self.aux,
+            deadline: self.deadline,
+            timeout: self.timeout,
+            chunk_bytes: self.chunk_bytes,
+        }
+    }
+}
+
+/// Tells `peers` that operation `seq` failed here, so that they stop waiting for it.
+async fn send_aborts<T: Transport>(t: Arc<T>, lane: Lane, seq: u64, err: Error, peers: Vec<usize>) {
+    let payload = encode_abort(lane, &err);
+    let header = Header {
+        kind: FrameKind::Abort,
+        minor: PROTOCOL_MINOR,
+        seq,
+        step: 0,
+        chunk: 0,
+        chunk_count: 1,
+        src: t.rank() as u32,
+        aux: 0,
+        spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
+        payload_len: payload.len() as u64,
+        payload_crc: crc32c::crc32c(&payload),
+    };
+    let sends = peers
+        .into_iter()
+        .filter(|&p| t.mailbox().peer_error(p).is_none())
+        .map(|p| {
+            let (t, header, payload) = (&t, &header, &payload);
+            async move {
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), t.send_frame(p, header, payload))
+                        .await;
+            }
+        });
+    futures_join_all(sends).await;
+}
+
+/// Runs futures concurrently and waits for all (a tiny `join_all` without a dependency).
+async fn futures_join_all<F: Future<Output = ()>>(futs: impl IntoIterator<Item = F>) {
+    let mut set = Vec::new();
+    for f in futs {
+        set.push(Box::pin(f));
+    }
+    for f in set {
+        f.await;
+    }
+}

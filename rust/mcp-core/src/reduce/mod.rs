@@ -1,0 +1,207 @@
+//! Element-wise reduction kernels: `dst = op(dst, src)` for every dtype and op.
+//!
+//! Kernels are plain loops that LLVM vectorises; on x86-64 the same loops are compiled a
+//! second time with AVX2 enabled and chosen at run time, so one wheel runs everywhere and
+//! uses the wide registers where they exist.
+
+mod half_float;
+mod native;
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use ::half::{bf16, f16};
+use bytemuck::Pod;
+
+/// Combines `src` into `dst` element-wise: `dst[i] = op(dst[i], src[i])`.
+///
+/// `Avg` accumulates like `Sum`; call [`finish_avg`] once all contributions are in.
+/// Both slices hold elements of `dtype` in native byte order; they may be unaligned.
+pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<()> {
+    if dst.len() != src.len() || dst.len() % dtype.size() != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "reduce of {} bytes into {} bytes of {dtype}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    let op = if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    if op == ReduceOp::None {
+        dst.copy_from_slice(src);
+        return Ok(());
+    }
+    match dtype {
+        DType::F32 => typed::<f32>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::F64 => typed::<f64>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::I32 => typed::<i32>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::I64 => typed::<i64>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::U8 => typed::<u8>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::F16 => typed::<f16>(dst, src, |d, s| half_float::apply_f16(op, d, s)),
+        DType::BF16 => typed::<bf16>(dst, src, |d, s| half_float::apply_bf16(op, d, s)),
+    }
+    Ok(())
+}
+
+/// Divides every element by `n`, finishing an `Avg` reduction (floating dtypes only).
+pub fn finish_avg(dtype: DType, buf: &mut [u8], n: usize) -> Result<()> {
+    match dtype {
+        DType::F32 => typed_unary::<f32>(buf, |b| native::divide(b, n as f32)),
+        DType::F64 => typed_unary::<f64>(buf, |b| native::divide(b, n as f64)),
+        DType::F16 => typed_unary::<f16>(buf, |b| half_float::divide_f16(b, n as f32)),
+        DType::BF16 => typed_unary::<bf16>(buf, |b| half_float::divide_bf16(b, n as f32)),
+        _ => return ReduceOp::Avg.check(dtype),
+    }
+    Ok(())
+}
+
+/// Views both byte slices as `T` and runs `f`, copying through aligned scratch when the bytes
+/// are not aligned for `T` (received payloads usually are; the copy is the rare slow path).
+fn typed<T: Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(&mut [T], &[T])) {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(dst),
+        bytemuck::try_cast_slice::<u8, T>(src),
+    ) {
+        (Ok(d), Ok(s)) => f(d, s),
+        (Ok(d), Err(_)) => {
+            let s = aligned_copy::<T>(src);
+            f(d, &s)
+        }
+        (Err(_), _) => {
+            let mut d = aligned_copy::<T>(dst);
+            match bytemuck::try_cast_slice::<u8, T>(src) {
+                Ok(s) => f(&mut d, s),
+                Err(_) => f(&mut d, &aligned_copy::<T>(src)),
+            }
+            dst.copy_from_slice(bytemuck::cast_slice(&d));
+        }
+    }
+}
+
+fn typed_unary<T: Pod>(buf: &mut [u8], f: impl Fn(&mut [T])) {
+    match bytemuck::try_cast_slice_mut::<u8, T>(buf) {
+        Ok(b) => f(b),
+        Err(_) => {
+            let mut b = aligned_copy::<T>(buf);
+            f(&mut b);
+            buf.copy_from_slice(bytemuck::cast_slice(&b));
+        }
+    }
+}
+
+fn aligned_copy<T: Pod>(bytes: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T: Pod>(v: &[T]) -> Vec<u8> {
+        bytemuck::cast_slice(v).to_vec()
+    }
+
+    #[test]
+    fn f32_ops_match_scalar_reference() {
+        let a: Vec<f32> = (0..1003).map(|i| i as f32 * 0.5 - 100.0).collect();
+        let b: Vec<f32> = (0..1003).map(|i| (i as f32).sin() * 300.0).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Prod] {
+            let mut d = bytes(&a);
+            reduce_into(DType::F32, op, &mut d, &bytes(&b)).expect("reduce");
+            let got: &[f32] = bytemuck::cast_slice(&d);
+            for i in 0..a.len() {
+                let want = match op {
+                    ReduceOp::Sum => a[i] + b[i],
+                    ReduceOp::Min => a[i].min(b[i]),
+                    ReduceOp::Max => a[i].max(b[i]),
+                    _ => a[i] * b[i],
+                };
+                assert_eq!(got[i].to_bits(), want.to_bits(), "{op} at {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn nan_propagates_through_min_and_max() {
+        for op in [ReduceOp::Min, ReduceOp::Max] {
+            let mut d = bytes(&[f32::NAN, 1.0, 2.0]);
+            reduce_into(DType::F32, op, &mut d, &bytes(&[0.0f32, f32::NAN, 3.0])).expect("reduce");
+            let got: &[f32] = bytemuck::cast_slice(&d);
+            assert!(got[0].is_nan() && got[1].is_nan(), "{op}: {got:?}");
+        }
+    }
+
+    #[test]
+    fn integers_wrap() {
+        let mut d = bytes(&[i32::MAX, 3, -7]);
+        reduce_into(DType::I32, ReduceOp::Sum, &mut d, &bytes(&[1i32, 4, 7])).expect("reduce");
+        assert_eq!(bytemuck::cast_slice::<u8, i32>(&d), &[i32::MIN, 7, 0]);
+        let mut d = vec![200u8, 3];
+        reduce_into(DType::U8, ReduceOp::Prod, &mut d, &[2, 5]).expect("reduce");
+        assert_eq!(d, vec![144, 15]);
+    }
+
+    #[test]
+    fn half_types_round_to_nearest_even() {
+        let a: Vec<f16> = (0..777).map(|i| f16::from_f32(i as f32 * 0.37)).collect();
+        let b: Vec<f16> = (0..777)
+            .map(|i| f16::from_f32(1.0 / (i as f32 + 1.0)))
+            .collect();
+        let mut d = bytes(&a);
+        reduce_into(DType::F16, ReduceOp::Sum, &mut d, &bytes(&b)).expect("reduce");
+        let got: &[f16] = bytemuck::cast_slice(&d);
+        for i in 0..a.len() {
+            assert_eq!(got[i], f16::from_f32(a[i].to_f32() + b[i].to_f32()));
+        }
+        let a: Vec<bf16> = (0..777).map(|i| bf16::from_f32(i as f32 * 0.37)).collect();
+        let b: Vec<bf16> = (0..777)
+            .map(|i| bf16::from_f32(-(i as f32) * 1.1))
+            .collect();
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max] {
+            let mut d = bytes(&a);
+            reduce_into(DType::BF16, op, &mut d, &bytes(&b)).expect("reduce");
+            let got: &[bf16] = bytemuck::cast_slice(&d);
+            for i in 0..a.len() {
+                let (x, y) = (a[i].to_f32(), b[i].to_f32());
+                let want = match op {
+                    ReduceOp::Sum => x + y,
+                    ReduceOp::Prod => x * y,
+                    _ => x.max(y),
+                };
+                assert_eq!(got[i], bf16::from_f32(want), "{op} at {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn unaligned_inputs_give_the_same_result() {
+        let a: Vec<f64> = (0..100).map(|i| i as f64).collect();
+        let mut backing = vec![0u8; 801];
+        backing[1..].copy_from_slice(&bytes(&a));
+        let mut dst = bytes(&a);
+        reduce_into(DType::F64, ReduceOp::Sum, &mut dst, &backing[1..]).expect("reduce");
+        let mut dst2 = vec![0u8; 801];
+        dst2[1..].copy_from_slice(&bytes(&a));
+        reduce_into(DType::F64, ReduceOp::Sum, &mut dst2[1..], &bytes(&a)).expect("reduce");
+        assert_eq!(dst, dst2[1..].to_vec());
+        assert_eq!(bytemuck::cast_slice::<u8, f64>(&dst)[99], 198.0);
+    }
+
+    #[test]
+    fn avg_divides_and_rejects_integers() {
+        let mut d = bytes(&[3.0f32, 6.0]);
+        finish_avg(DType::F32, &mut d, 3).expect("avg");
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), &[1.0, 2.0]);
+        assert!(finish_avg(DType::I64, &mut [0u8; 8], 2).is_err());
+    }
+
+    #[test]
+    fn length_mismatch_is_an_error() {
+        assert!(reduce_into(DType::F32, ReduceOp::Sum, &mut [0u8; 8], &[0u8; 4]).is_err());
+        assert!(reduce_into(DType::F32, ReduceOp::Sum, &mut [0u8; 6], &[0u8; 6]).is_err());
+    }
+}

@@ -1,0 +1,411 @@
+//! Where received frames wait for the operation that wants them.
+//!
+//! Frames arrive on many streams in any order; each is filed under its [`MsgKey`] until an
+//! operation asks for that key. Failures are filed too: a lost peer fails every wait on it,
+//! an aborted operation fails every wait on its sequence number, so nothing waits forever.
+
+use crate::error::{Error, Result};
+use crate::wire::{FrameKind, Header};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use tokio::sync::oneshot;
+
+/// A received message: its header and payload (CRC already verified).
+#[derive(Debug)]
+pub struct Frame {
+    /// The decoded header.
+    pub header: Header,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+}
+
+/// Which sequence space a message belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Lane {
+    /// Rendezvous and connection management.
+    Control,
+    /// Collectives: sequence numbers are per group, in call order.
+    Collective,
+    /// Point-to-point: sequence numbers are per (sender, receiver) pair.
+    P2p,
+}
+
+impl Lane {
+    /// The lane a frame kind travels on.
+    pub fn of(kind: FrameKind) -> Lane {
+        match kind {
+            FrameKind::Hello | FrameKind::Table | FrameKind::Goodbye => Lane::Control,
+            FrameKind::Send => Lane::P2p,
+            _ => Lane::Collective,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Lane::Control => 0,
+            Lane::Collective => 1,
+            Lane::P2p => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Lane> {
+        [Lane::Control, Lane::Collective, Lane::P2p]
+            .into_iter()
+            .find(|l| l.code() == c)
+    }
+}
+
+/// Identifies one message of one operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MsgKey {
+    /// The sending rank.
+    pub src: usize,
+    /// The sequence space.
+    pub lane: Lane,
+    /// The operation's sequence number.
+    pub seq: u64,
+    /// The algorithm step.
+    pub step: u32,
+    /// The chunk within the step.
+    pub chunk: u32,
+}
+
+impl MsgKey {
+    /// The key a received header is filed under.
+    pub fn of(h: &Header) -> MsgKey {
+        MsgKey {
+            src: h.src as usize,
+            lane: Lane::of(h.kind),
+            seq: h.seq,
+            step: h.step,
+            chunk: h.chunk,
+        }
+    }
+}
+
+enum Slot {
+    Ready(Result<Frame>),
+    Waiting(oneshot::Sender<Result<Frame>>),
+}
+
+#[derive(Default)]
+struct Inner {
+    slots: HashMap<MsgKey, Slot>,
+    lost_peers: HashMap<usize, Error>,
+    aborted: HashMap<(Lane, u64), Error>,
+    aborted_order: VecDeque<(Lane, u64)>,
+    closed: Option<Error>,
+}
+
+/// How many aborted operations are remembered (so late frames of them are dropped).
+const ABORT_MEMORY: usize = 4096;
+
+/// Received frames, filed by key, and the failures that end waits.
+#[derive(Default)]
+pub struct Mailbox {
+    inner: Mutex<Inner>,
+}
+
+impl Mailbox {
+    /// An empty mailbox.
+    pub fn new() -> Mailbox {
+        Mailbox::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves consistent data (every update is one insert
+        // or remove), so recover from poisoning rather than propagate it.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Files a received frame (or a receive error for its key) and wakes its waiter.
+    pub fn deliver(&self, key: MsgKey, item: Result<Frame>) {
+        let mut inner = self.lock();
+        if inner.aborted.contains_key(&(key.lane, key.seq)) {
+            return;
+        }
+        match inner.slots.remove(&key) {
+            Some(Slot::Waiting(tx)) => {
+                if let Err(Ok(frame)) = tx.send(item) {
+                    // The waiter gave up (timeout); keep nothing.
+                    drop(frame);
+                }
+            }
+            Some(Slot::Ready(old)) => {
+                // A duplicate key: keep the first, the sender is confused.
+                inner.slots.insert(key, Slot::Ready(old));
+            }
+            None => {
+                inner.slots.insert(key, Slot::Ready(item));
+            }
+        }
+    }
+
+    /// Files a verified frame: an abort fails its operation, a goodbye fails waits on its
+    /// sender, anything else goes to its key.
+    pub fn dispatch(&self, frame: Frame) {
+        let src = frame.header.src as usize;
+        match frame.header.kind {
+            FrameKind::Abort => {
+                let (lane, err) = decode_abort(src, &frame.payload);
+                self.abort(lane, frame.header.seq, err);
+            }
+            FrameKind::Goodbye => self.fail_peer(
+                src,
+                Error::PeerLost {
+                    rank: src,
+                    op: "any operation".into(),
+                    reason: "it closed its group".into(),
+                },
+            ),
+            _ => self.deliver(MsgKey::of(&frame.header), Ok(frame)),
+        }
+    }
+
+    /// Waits for the frame filed under `key`.
+    pub async fn recv(&self, key: MsgKey) -> Result<Frame> {
+        let rx = {
+            let mut inner = self.lock();
+            if let Some(e) = &inner.closed {
+                return Err(e.clone());
+            }
+            if let Some(e) = inner.aborted.get(&(key.lane, key.seq)) {
+                return Err(e.clone());
+            }
+            match inner.slots.remove(&key) {
+                Some(Slot::Ready(item)) => return item,
+                Some(Slot::Waiting(_)) | None => {}
+            }
+            if let Some(e) = inner.lost_peers.get(&key.src) {
+                return Err(e.clone());
+            }
+            let (tx, rx) = oneshot::channel();
+            inner.slots.insert(key, Slot::Waiting(tx));
+            rx
+        };
+        match rx.await {
+            Ok(item) => item,
+            Err(_) => Err(Error::Closed("the mailbox was dropped".into())),
+        }
+    }
+
+    /// Fails every current and future wait on `peer` with `err`.
+    pub fn fail_peer(&self, peer: usize, err: Error) {
+        let mut inner = self.lock();
+        inner.lost_peers.entry(peer).or_insert_with(|| err.clone());
+        let keys: Vec<MsgKey> = inner
+            .slots
+            .keys()
+            .filter(|k| k.src == peer)
+            .copied()
+            .collect();
+        for k in keys {
+            if let Some(Slot::Waiting(tx)) = inner.slots.remove(&k) {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+    }
+
+    /// The error a lost peer was failed with, if it was.
+    pub fn peer_error(&self, peer: usize) -> Option<Error> {
+        self.lock().lost_peers.get(&peer).cloned()
+    }
+
+    /// Fails every current and future wait of operation `seq` on `lane` with `err`, and drops
+    /// what was filed for it. Returns false if it was already aborted.
+    pub fn abort(&self, lane: Lane, seq: u64, err: Error) -> bool {
+        let mut inner = self.lock();
+        if inner.aborted.contains_key(&(lane, seq)) {
+            return false;
+        }
+        inner.aborted.insert((lane, seq), err.clone());
+        inner.aborted_order.push_back((lane, seq));
+        while inner.aborted_order.len() > ABORT_MEMORY {
+            if let Some(old) = inner.aborted_order.pop_front() {
+                inner.aborted.remove(&old);
+            }
+        }
+        let keys: Vec<MsgKey> = inner
+            .slots
+            .keys()
+            .filter(|k| k.lane == lane && k.seq == seq)
+            .copied()
+            .collect();
+        for k in keys {
+            if let Some(Slot::Waiting(tx)) = inner.slots.remove(&k) {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+        true
+    }
+
+    /// True when operation `seq` on `lane` was aborted (by us or by a peer).
+    pub fn is_aborted(&self, lane: Lane, seq: u64) -> bool {
+        self.lock().aborted.contains_key(&(lane, seq))
+    }
+
+    /// Drops whatever is still filed for operation `seq` (after it finished or failed).
+    pub fn purge(&self, lane: Lane, seq: u64) {
+        let mut inner = self.lock();
+        inner.slots.retain(|k, _| !(k.lane == lane && k.seq == seq));
+    }
+
+    /// Fails every wait, now and later, with `err`.
+    pub fn close(&self, err: Error) {
+        let mut inner = self.lock();
+        inner.closed.get_or_insert(err.clone());
+        for (_, slot) in inner.slots.drain() {
+            if let Slot::Waiting(tx) = slot {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+    }
+
+    /// Number of filed frames and waiters (for tests and leak checks).
+    pub fn pending(&self) -> usize {
+        self.lock().slots.len()
+    }
+}
+
+/// Encodes why an operation failed, for an [`FrameKind::Abort`] frame.
+pub fn encode_abort(lane: Lane, err: &Error) -> Vec<u8> {
+    let (code, rank, text) = match err {
+        Error::SpecMismatch(m) => (1u8, u32::MAX, m.clone()),
+        Error::PeerLost { rank, op, reason } => (2, *rank as u32, format!("{op}\u{1f}{reason}")),
+        Error::Timeout { what, after } => (
+            3,
+            (after.as_millis().min(u32::MAX as u128)) as u32,
+            what.clone(),
+        ),
+        Error::InvalidArgument(m) => (4, u32::MAX, m.clone()),
+        Error::Protocol(m) => (5, u32::MAX, m.clone()),
+        other => (6, u32::MAX, other.to_string()),
+    };
+    let mut out = vec![lane.code(), code];
+    out.extend_from_slice(&rank.to_le_bytes());
+    out.extend_from_slice(text.as_bytes());
+    out
+}
+
+/// Decodes an abort payload from rank `src`; never panics.
+pub fn decode_abort(src: usize, payload: &[u8]) -> (Lane, Error) {
+    if payload.len() < 6 {
+        return (
+            Lane::Collective,
+            Error::Protocol(format!("rank {src} aborted with an unreadable reason")),
+        );
+    }
+    let lane = Lane::from_code(payload[0]).unwrap_or(Lane::Collective);
+    let rank = u32::from_le_bytes([payload[2], payload[3], payload[4], payload[5]]);
+    let text = String::from_utf8_lossy(&payload[6..]).into_owned();
+    let err = match payload[1] {
+        1 => Error::SpecMismatch(text),
+        2 => {
+            let (op, reason) = text.split_once('\u{1f}').unwrap_or(("", &text));
+            Error::PeerLost {
+                rank: rank as usize,
+                op: op.to_string(),
+                reason: format!("{reason} (reported by rank {src})"),
+            }
+        }
+        3 => Error::Timeout {
+            what: format!("rank {src} timed out: {text}"),
+            after: std::time::Duration::from_millis(rank as u64),
+        },
+        4 => Error::InvalidArgument(format!("rank {src}: {text}")),
+        5 => Error::Protocol(format!("rank {src}: {text}")),
+        _ => Error::Io(format!("rank {src} failed: {text}")),
+    };
+    (lane, err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::{DType, ReduceOp};
+    use crate::wire::ModelSpec;
+
+    fn frame(src: u32, seq: u64, chunk: u32) -> (MsgKey, Frame) {
+        let header = Header {
+            kind: FrameKind::AllReduce,
+            minor: 0,
+            seq,
+            step: 0,
+            chunk,
+            chunk_count: 2,
+            src,
+            aux: 0,
+            spec: ModelSpec::flat(DType::F32, ReduceOp::Sum, 1),
+            payload_len: 0,
+            payload_crc: 0,
+        };
+        (
+            MsgKey::of(&header),
+            Frame {
+                header,
+                payload: vec![],
+            },
+        )
+    }
+
+    #[tokio::test]
+    async fn out_of_order_delivery_is_matched_by_key() {
+        let mb = Mailbox::new();
+        let (k1, f1) = frame(1, 5, 1);
+        let (k0, f0) = frame(1, 5, 0);
+        mb.deliver(k1, Ok(f1));
+        let waiter = mb.recv(k0);
+        mb.deliver(k0, Ok(f0));
+        assert_eq!(waiter.await.expect("chunk 0").header.chunk, 0);
+        assert_eq!(mb.recv(k1).await.expect("chunk 1").header.chunk, 1);
+        assert_eq!(mb.pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn lost_peer_fails_waits() {
+        let mb = std::sync::Arc::new(Mailbox::new());
+        let (k, _) = frame(3, 1, 0);
+        let mb2 = mb.clone();
+        let w = tokio::spawn(async move { mb2.recv(k).await });
+        tokio::task::yield_now().await;
+        let err = Error::PeerLost {
+            rank: 3,
+            op: "x".into(),
+            reason: "gone".into(),
+        };
+        mb.fail_peer(3, err.clone());
+        assert_eq!(w.await.expect("join").err(), Some(err.clone()));
+        assert_eq!(mb.recv(k).await.err(), Some(err));
+    }
+
+    #[tokio::test]
+    async fn abort_fails_the_operation_and_drops_late_frames() {
+        let mb = Mailbox::new();
+        let (k, f) = frame(1, 9, 0);
+        assert!(mb.abort(Lane::Collective, 9, Error::SpecMismatch("m".into())));
+        assert!(!mb.abort(Lane::Collective, 9, Error::SpecMismatch("m".into())));
+        mb.deliver(k, Ok(f));
+        assert_eq!(mb.pending(), 0);
+        assert!(matches!(mb.recv(k).await, Err(Error::SpecMismatch(_))));
+    }
+
+    #[test]
+    fn abort_reasons_round_trip() {
+        let errs = [
+            Error::SpecMismatch("shapes differ".into()),
+            Error::PeerLost {
+                rank: 2,
+                op: "all_reduce".into(),
+                reason: "killed".into(),
+            },
+            Error::InvalidArgument("bad".into()),
+        ];
+        for e in errs {
+            let (lane, back) = decode_abort(1, &encode_abort(Lane::P2p, &e));
+            assert_eq!(lane, Lane::P2p);
+            assert_eq!(std::mem::discriminant(&back), std::mem::discriminant(&e));
+        }
+        let _ = decode_abort(0, &[1, 2, 3]);
+        let _ = decode_abort(0, &[9, 9, 0, 0, 0, 0, 0xff, 0xfe]);
+    }
+}

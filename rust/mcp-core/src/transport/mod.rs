@@ -1,0 +1,45 @@
+//! How frames move between ranks: the [`Transport`] trait and its implementations.
+//!
+//! The collectives are written against this trait only, so they run unchanged on real QUIC
+//! connections ([`quic`]) and on the in-memory transport ([`mem`]) that `cargo test` uses,
+//! with or without seeded faults.
+
+mod mailbox;
+pub mod mem;
+pub mod quic;
+
+pub use mailbox::{decode_abort, encode_abort, Frame, Lane, Mailbox, MsgKey};
+
+use crate::error::Result;
+use crate::wire::Header;
+use std::future::Future;
+
+/// Moves frames between the ranks of one job.
+pub trait Transport: Send + Sync + 'static {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the job.
+    fn world_size(&self) -> usize;
+
+    /// Where frames received from peers are filed.
+    fn mailbox(&self) -> &Mailbox;
+
+    /// Sends one frame to `peer`. Resolves once the bytes are handed to the network (or to the
+    /// peer's mailbox), after which `payload` may be changed.
+    fn send_frame<'a>(
+        &'a self,
+        peer: usize,
+        header: &'a Header,
+        payload: &'a [u8],
+    ) -> impl Future<Output = Result<()>> + Send + 'a;
+
+    /// Called before waiting for a frame from `peer`: lets a transport that connects on
+    /// demand start connecting to a peer that will only send to us.
+    fn expect_from(&self, peer: usize) {
+        let _ = peer;
+    }
+
+    /// Best-effort: tells every connected peer that this process is closing.
+    fn goodbye(&self) -> impl Future<Output = ()> + Send + '_;
+}

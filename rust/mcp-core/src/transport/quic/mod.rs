@@ -1,0 +1,652 @@
+//! The QUIC transport: one endpoint per process, one mutually authenticated connection per
+//! pair of ranks that talk (made when first needed, by the higher rank), one unidirectional
+//! stream per frame, so that chunks travel side by side and never wait behind each other.
+
+mod endpoint;
+mod rendezvous;
+pub mod tls;
+
+use super::{Frame, Mailbox, MsgKey, Transport};
+use crate::backoff::Backoff;
+use crate::error::{Error, Result};
+use crate::wire::{
+    verify_payload, FrameKind, Header, HEADER_FIXED, PROTOCOL_MAJOR, PROTOCOL_MINOR,
+};
+use quinn::{Connection, ConnectionError, Endpoint, VarInt};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// Application close codes on our connections.
+pub(crate) mod close_code {
+    /// The peer speaks another protocol major version; the reason holds ours.
+    pub const VERSION_MISMATCH: u32 = 0x4d01;
+    /// A data connection came without a client certificate.
+    pub const AUTH_REQUIRED: u32 = 0x4d02;
+    /// The process closed its group.
+    pub const GOODBYE: u32 = 0x4d03;
+    /// The bootstrap exchange is over.
+    pub const BOOTSTRAP_DONE: u32 = 0x4d04;
+    /// The rendezvous refused this process (duplicate rank, other world size).
+    pub const REFUSED: u32 = 0x4d05;
+}
+
+/// Largest payload a frame may announce; anything larger is a protocol error.
+pub const MAX_FRAME_PAYLOAD: u64 = 1 << 30;
+
+/// How to set up the QUIC transport of one process.
+#[derive(Debug, Clone)]
+pub struct QuicConfig {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Where rank 0 listens (rank 0 binds it; the others connect to it).
+    pub master: SocketAddr,
+    /// The job secret; `None` lets rank 0 generate one and hand it out (see the README).
+    pub secret: Option<Vec<u8>>,
+    /// How long the rendezvous may take.
+    pub connect_timeout: Duration,
+    /// A connection with no packets for this long is declared dead.
+    pub idle_timeout: Duration,
+    /// The protocol major version to announce (tests set another to check refusal).
+    pub protocol_major: u8,
+}
+
+impl QuicConfig {
+    /// A configuration with the default timeouts.
+    pub fn new(rank: usize, world_size: usize, master: SocketAddr) -> QuicConfig {
+        QuicConfig {
+            rank,
+            world_size,
+            master,
+            secret: None,
+            connect_timeout: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(30),
+            protocol_major: PROTOCOL_MAJOR,
+        }
+    }
+}
+
+struct PeerSlot {
+    conn: watch::Sender<Option<Connection>>,
+    dial: tokio::sync::Mutex<()>,
+}
+
+/// Counters that tests and diagnostics read.
+#[derive(Debug, Default)]
+pub struct QuicStats {
+    /// Handshakes refused (wrong secret, no certificate, other version).
+    pub refused_handshakes: AtomicU64,
+    /// Frames received.
+    pub frames_received: AtomicU64,
+    /// Frames whose payload failed its checksum.
+    pub corrupt_frames: AtomicU64,
+}
+
+/// One process's end of the QUIC mesh.
+pub struct QuicTransport {
+    rank: usize,
+    world: usize,
+    cfg: QuicConfig,
+    me: Weak<QuicTransport>,
+    endpoint: Endpoint,
+    client_cfg: quinn::ClientConfig,
+    secret: Vec<u8>,
+    bootstrap_open: AtomicBool,
+    addrs: Mutex<Vec<Option<SocketAddr>>>,
+    peers: Vec<PeerSlot>,
+    mailbox: Mailbox,
+    closing: AtomicBool,
+    unacked_streams: AtomicUsize,
+    stats: QuicStats,
+}
+
+impl QuicTransport {
+    /// Binds, meets the other ranks at the rendezvous and returns once every rank's endpoint
+    /// is known. Fails with `Timeout` if they do not all arrive within `connect_timeout`.
+    pub async fn connect(cfg: QuicConfig) -> Result<Arc<QuicTransport>> {
+        if cfg.world_size == 0 || cfg.rank >= cfg.world_size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {} is not in a world of {} ranks",
+                cfg.rank, cfg.world_size
+            )));
+        }
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let (secret, generated) = match &cfg.secret {
+            Some(s) => (s.clone(), false),
+            None if cfg.rank == 0 => (rand::random::<[u8; 32]>().to_vec(), true),
+            None => (rendezvous::fetch_secret(&cfg, deadline).await?, false),
+        };
+        let identity = tls::Identity::from_secret(&secret)?;
+        let mut alpns = vec![
+            tls::alpn_for(cfg.protocol_major),
+            tls::ALPN_FALLBACK.to_vec(),
+        ];
+        let client_cfg = endpoint::client_config(&identity, alpns.clone(), &cfg)?;
+        if generated {
+            alpns.push(tls::ALPN_BOOTSTRAP.to_vec());
+        }
+        let server_cfg = endpoint::server_config(&identity, alpns, &cfg)?;
+        let bind = if cfg.rank == 0 {
+            cfg.master
+        } else {
+            SocketAddr::new(endpoint::local_ip_towards(cfg.master)?, 0)
+        };
+        let ep = endpoint::bind(bind, server_cfg, cfg.rank == 0)?;
+        let world = cfg.world_size;
+        let t = Arc::new_cyclic(|me| QuicTransport {
+            rank: cfg.rank,
+            world,
+            cfg: cfg.clone(),
+            me: me.clone(),
+            endpoint: ep,
+            client_cfg,
+            secret,
+            bootstrap_open: AtomicBool::new(generated),
+            addrs: Mutex::new(vec![None; world]),
+            peers: (0..world)
+                .map(|_| PeerSlot {
+                    conn: watch::channel(None).0,
+                    dial: tokio::sync::Mutex::new(()),
+                })
+                .collect(),
+            mailbox: Mailbox::new(),
+            closing: AtomicBool::new(false),
+            unacked_streams: AtomicUsize::new(0),
+            stats: QuicStats::default(),
+        });
+        tokio::spawn(accept_loop(Arc::downgrade(&t)));
+        let res = rendezvous::run(&t, deadline).await;
+        t.bootstrap_open.store(false, Ordering::Release);
+        if let Err(e) = res {
+            t.endpoint
+                .close(VarInt::from_u32(close_code::REFUSED), b"rendezvous failed");
+            return Err(e);
+        }
+        Ok(t)
+    }
+
+    /// The address this process listens on.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.endpoint.local_addr()?)
+    }
+
+    /// Counters of refused handshakes, frames and corrupt payloads.
+    pub fn stats(&self) -> &QuicStats {
+        &self.stats
+    }
+
+    /// The job secret (generated by rank 0 when none was given).
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
+    }
+
+    /// Smoothed round-trip time to `peer`, if connected.
+    pub fn rtt(&self, peer: usize) -> Option<Duration> {
+        self.peers
+            .get(peer)?
+            .conn
+            .borrow()
+            .as_ref()
+            .map(|c| c.rtt())
+    }
+
+    fn register(&self, peer: usize, conn: Connection) {
+        if let Some(slot) = self.peers.get(peer) {
+            slot.conn.send_replace(Some(conn));
+        }
+    }
+
+    fn addr_of(&self, peer: usize) -> Option<SocketAddr> {
+        self.addrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(peer)
+            .copied()
+            .flatten()
+    }
+
+    /// The live connection to `peer`: dialled by the higher rank, awaited by the lower one.
+    async fn conn(&self, peer: usize) -> Result<Connection> {
+        let slot = self.peers.get(peer).ok_or_else(|| {
+            Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
+        })?;
+        if let Some(e) = self.mailbox.peer_error(peer) {
+            return Err(e);
+        }
+        if let Some(c) = slot.conn.borrow().clone() {
+            return Ok(c);
+        }
+        if self.rank > peer {
+            let _g = slot.dial.lock().await;
+            if let Some(c) = slot.conn.borrow().clone() {
+                return Ok(c);
+            }
+            let addr = self
+                .addr_of(peer)
+                .ok_or_else(|| Error::Io(format!("address of rank {peer} unknown")))?;
+            let deadline = Instant::now() + self.cfg.connect_timeout.min(Duration::from_secs(60));
+            let conn = self.dial_with_backoff(peer, addr, deadline).await?;
+            Ok(conn)
+        } else {
+            let mut rx = slot.conn.subscribe();
+            loop {
+                if let Some(c) = rx.borrow_and_update().clone() {
+                    return Ok(c);
+                }
+                if rx.changed().await.is_err() {
+                    return Err(Error::Closed("transport dropped".into()));
+                }
+            }
+        }
+    }
+
+    /// Dials `peer` at `addr`, retrying with backoff until `deadline`; sends our Hello and
+    /// starts reading the connection.
+    async fn dial_with_backoff(
+        &self,
+        peer: usize,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<Connection> {
+        let mut backoff = Backoff::default();
+        loop {
+            let attempt =
+                Duration::from_secs(2).min(deadline.saturating_duration_since(Instant::now()));
+            let res = match tokio::time::timeout(attempt, self.dial_once(peer, addr)).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::Timeout {
+                    what: format!("handshake with rank {peer} at {addr}"),
+                    after: attempt,
+                }),
+            };
+            match res {
+                Ok(c) => return Ok(c),
+                Err(
+                    e @ (Error::Authentication { .. }
+                    | Error::VersionMismatch { .. }
+                    | Error::InvalidArgument(_)),
+                ) => return Err(e),
+                Err(e) => {
+                    let wait = backoff.next_delay();
+                    if Instant::now() + wait >= deadline {
+                        return Err(Error::Timeout {
+                            what: format!(
+                                "could not connect to rank {peer} at {addr} after {} attempts (last error: {e}); is it running and reachable?",
+                                backoff.attempts()
+                            ),
+                            after: self.cfg.connect_timeout,
+                        });
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+
+    async fn dial_once(&self, peer: usize, addr: SocketAddr) -> Result<Connection> {
+        let connecting = self
+            .endpoint
+            .connect_with(self.client_cfg.clone(), addr, tls::SERVER_NAME)
+            .map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
+        let conn = connecting
+            .await
+            .map_err(|e| map_conn_error(&e, peer, &addr.to_string(), "connect"))?;
+        if endpoint::negotiated_alpn(&conn).as_deref() == Some(tls::ALPN_FALLBACK) {
+            // The versions differ: the acceptor closes with its version as the reason.
+            let err = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
+            let theirs = match err {
+                Ok(ConnectionError::ApplicationClosed(c)) => {
+                    String::from_utf8_lossy(&c.reason).into_owned()
+                }
+                _ => "an unknown version".into(),
+            };
+            return Err(Error::VersionMismatch {
+                ours: format!("{}.{PROTOCOL_MINOR}", self.cfg.protocol_major),
+                theirs,
+                peer: format!("rank {peer} at {addr}"),
+            });
+        }
+        let hello = rendezvous::hello_frame(self)?;
+        self.write_frame(&conn, &hello.0, &hello.1)
+            .await
+            .map_err(|e| map_write(e, peer))?;
+        self.register(peer, conn.clone());
+        tokio::spawn(read_loop(self.me.clone(), conn.clone(), Some(peer)));
+        Ok(conn)
+    }
+
+    async fn write_frame(
+        &self,
+        conn: &Connection,
+        header: &Header,
+        payload: &[u8],
+    ) -> std::result::Result<(), WriteFail> {
+        let mut buf = Vec::with_capacity(
+            header.encoded_len()
+                + if payload.len() <= 16384 {
+                    payload.len()
+                } else {
+                    0
+                },
+        );
+        header.encode(&mut buf).map_err(WriteFail::Core)?;
+        let mut stream = conn.open_uni().await.map_err(WriteFail::Conn)?;
+        if payload.len() <= 16384 {
+            buf.extend_from_slice(payload);
+            stream.write_all(&buf).await.map_err(WriteFail::Write)?;
+        } else {
+            stream.write_all(&buf).await.map_err(WriteFail::Write)?;
+            stream.write_all(payload).await.map_err(WriteFail::Write)?;
+        }
+        stream
+            .finish()
+            .map_err(|_| WriteFail::Conn(ConnectionError::LocallyClosed))?;
+        // Track the stream until the peer has it, so that close() does not discard it.
+        self.unacked_streams.fetch_add(1, Ordering::AcqRel);
+        let me = self.me.clone();
+        tokio::spawn(async move {
+            let _ = stream.stopped().await;
+            if let Some(me) = me.upgrade() {
+                me.unacked_streams.fetch_sub(1, Ordering::AcqRel);
+            }
+        });
+        Ok(())
+    }
+
+    /// Starts dialling `peer` in the background if this rank is the one that dials it; a
+    /// receive calls this so that a peer that only sends to us is connected.
+    fn ensure_dialled(&self, peer: usize) {
+        if self.rank > peer && peer < self.world {
+            let has = self.peers[peer].conn.borrow().is_some();
+            if !has && self.mailbox.peer_error(peer).is_none() {
+                let me = self.me.clone();
+                tokio::spawn(async move {
+                    if let Some(me) = me.upgrade() {
+                        if let Err(e) = me.conn(peer).await {
+                            me.mailbox.fail_peer(peer, e);
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// Closes every connection and the endpoint, after the frames already sent are delivered
+    /// (at most a few seconds).
+    pub async fn shutdown(&self) {
+        if self.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let until = Instant::now() + Duration::from_secs(5);
+        while self.unacked_streams.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        self.endpoint
+            .close(VarInt::from_u32(close_code::GOODBYE), b"group closed");
+        self.mailbox
+            .close(Error::Closed("this process closed its group".into()));
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+    }
+}
+
+enum WriteFail {
+    Core(Error),
+    Conn(ConnectionError),
+    Write(quinn::WriteError),
+}
+
+fn map_write(e: WriteFail, peer: usize) -> Error {
+    match e {
+        WriteFail::Core(e) => e,
+        WriteFail::Conn(c) => map_conn_error(&c, peer, &format!("rank {peer}"), "send"),
+        WriteFail::Write(quinn::WriteError::ConnectionLost(c)) => {
+            map_conn_error(&c, peer, &format!("rank {peer}"), "send")
+        }
+        WriteFail::Write(w) => Error::PeerLost {
+            rank: peer,
+            op: "send".into(),
+            reason: format!("stream failed: {w}"),
+        },
+    }
+}
+
+fn is_crypto(code: u64) -> bool {
+    (0x100..0x200).contains(&code)
+}
+
+/// Turns a QUIC connection error into the core error that says what it means for the job.
+fn map_conn_error(e: &ConnectionError, peer: usize, who: &str, op: &str) -> Error {
+    match e {
+        ConnectionError::TransportError(t) if is_crypto(u64::from(t.code)) => Error::Authentication {
+            peer: who.to_string(),
+            detail: format!("{t}; both sides must use the same job secret (MCP_SECRET)"),
+        },
+        ConnectionError::ConnectionClosed(c) if is_crypto(u64::from(c.error_code)) => Error::Authentication {
+            peer: who.to_string(),
+            detail: format!("the peer refused our certificate ({c}); both sides must use the same job secret (MCP_SECRET)"),
+        },
+        ConnectionError::ApplicationClosed(c) => {
+            let reason = String::from_utf8_lossy(&c.reason).into_owned();
+            match u64::from(c.error_code) {
+                x if x == close_code::AUTH_REQUIRED as u64 => Error::Authentication {
+                    peer: who.to_string(),
+                    detail: reason,
+                },
+                x if x == close_code::VERSION_MISMATCH as u64 => Error::VersionMismatch {
+                    ours: format!("{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"),
+                    theirs: reason,
+                    peer: who.to_string(),
+                },
+                x if x == close_code::REFUSED as u64 => Error::InvalidArgument(format!("rendezvous refused this process: {reason}")),
+                _ => Error::PeerLost {
+                    rank: peer,
+                    op: op.to_string(),
+                    reason: format!("it closed the connection ({reason})"),
+                },
+            }
+        }
+        ConnectionError::TimedOut => Error::PeerLost {
+            rank: peer,
+            op: op.to_string(),
+            reason: "no packets within the idle timeout (killed, frozen or cut off)".into(),
+        },
+        ConnectionError::Reset => Error::PeerLost {
+            rank: peer,
+            op: op.to_string(),
+            reason: "the peer reset the connection (restarted?)".into(),
+        },
+        ConnectionError::LocallyClosed => Error::Closed("this process closed its group".into()),
+        other => Error::PeerLost {
+            rank: peer,
+            op: op.to_string(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+async fn accept_loop(me: Weak<QuicTransport>) {
+    loop {
+        let incoming = {
+            let Some(t) = me.upgrade() else { return };
+            let ep = t.endpoint.clone();
+            drop(t);
+            match ep.accept().await {
+                Some(i) => i,
+                None => return,
+            }
+        };
+        let me = me.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else {
+                if let Some(t) = me.upgrade() {
+                    t.stats.refused_handshakes.fetch_add(1, Ordering::Relaxed);
+                }
+                return;
+            };
+            let Some(t) = me.upgrade() else { return };
+            let alpn = endpoint::negotiated_alpn(&conn);
+            match alpn.as_deref() {
+                Some(a) if a == tls::ALPN_BOOTSTRAP => {
+                    drop(t);
+                    rendezvous::serve_secret(me, conn).await;
+                }
+                Some(a) if a == tls::ALPN_FALLBACK => {
+                    t.stats.refused_handshakes.fetch_add(1, Ordering::Relaxed);
+                    let ours = format!("{}.{PROTOCOL_MINOR}", t.cfg.protocol_major);
+                    conn.close(
+                        VarInt::from_u32(close_code::VERSION_MISMATCH),
+                        ours.as_bytes(),
+                    );
+                }
+                _ if conn.peer_identity().is_none() => {
+                    t.stats.refused_handshakes.fetch_add(1, Ordering::Relaxed);
+                    conn.close(
+                        VarInt::from_u32(close_code::AUTH_REQUIRED),
+                        b"a client certificate from the job CA is required",
+                    );
+                }
+                _ => {
+                    drop(t);
+                    read_loop(me, conn, None).await;
+                }
+            }
+        });
+    }
+}
+
+/// Reads every stream of `conn` into the mailbox; when the connection ends, fails the waits
+/// on its peer.
+async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<usize>) {
+    let known = Arc::new(Mutex::new(peer));
+    let end = loop {
+        match conn.accept_uni().await {
+            Ok(stream) => {
+                let me = me.clone();
+                let conn = conn.clone();
+                let known = known.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = read_stream(&me, &conn, stream, &known).await {
+                        if let Some(t) = me.upgrade() {
+                            t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
+                            // A frame we cannot trust: say so to whoever waits on that peer.
+                            if let Some(p) = *known.lock().unwrap_or_else(|p| p.into_inner()) {
+                                t.mailbox.fail_peer(p, e);
+                            }
+                        }
+                    }
+                });
+            }
+            Err(e) => break e,
+        }
+    };
+    peer = peer.or(*known.lock().unwrap_or_else(|p| p.into_inner()));
+    let Some(t) = me.upgrade() else { return };
+    if t.closing.load(Ordering::Acquire) {
+        return;
+    }
+    if let Some(p) = peer {
+        let err = map_conn_error(&end, p, &format!("rank {p}"), "any operation");
+        t.mailbox.fail_peer(p, err);
+    }
+}
+
+async fn read_stream(
+    me: &Weak<QuicTransport>,
+    conn: &Connection,
+    mut stream: quinn::RecvStream,
+    known: &Mutex<Option<usize>>,
+) -> Result<()> {
+    let mut fixed = [0u8; HEADER_FIXED];
+    stream
+        .read_exact(&mut fixed)
+        .await
+        .map_err(|e| Error::Protocol(format!("reading a frame header: {e}")))?;
+    let shape_len = Header::shape_len(&fixed)?;
+    let mut hbytes = fixed.to_vec();
+    hbytes.resize(HEADER_FIXED + shape_len, 0);
+    stream
+        .read_exact(&mut hbytes[HEADER_FIXED..])
+        .await
+        .map_err(|e| Error::Protocol(format!("reading a frame shape: {e}")))?;
+    let header = Header::decode(&hbytes)?;
+    if header.payload_len > MAX_FRAME_PAYLOAD {
+        return Err(Error::Protocol(format!(
+            "frame announces {} payload bytes",
+            header.payload_len
+        )));
+    }
+    let mut payload = vec![0u8; header.payload_len as usize];
+    stream.read_exact(&mut payload).await.map_err(|e| {
+        Error::Protocol(format!(
+            "reading a {}-byte payload: {e}",
+            header.payload_len
+        ))
+    })?;
+    let Some(t) = me.upgrade() else { return Ok(()) };
+    t.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+    let src = header.src as usize;
+    if src >= t.world {
+        return Err(Error::Protocol(format!(
+            "frame from rank {src} in a world of {}",
+            t.world
+        )));
+    }
+    {
+        let mut k = known.lock().unwrap_or_else(|p| p.into_inner());
+        if k.is_none() {
+            *k = Some(src);
+        }
+    }
+    if header.kind == FrameKind::Hello {
+        t.register(src, conn.clone());
+    }
+    let key = MsgKey::of(&header);
+    match verify_payload(&header, &payload) {
+        Ok(()) => {
+            t.mailbox.dispatch(Frame { header, payload });
+        }
+        Err(e) => {
+            t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
+            t.mailbox.deliver(key, Err(e));
+        }
+    }
+    Ok(())
+}
+
+impl Transport for QuicTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn mailbox(&self) -> &Mailbox {
+        &self.mailbox
+    }
+
+    async fn send_frame<'a>(
+        &'a self,
+        peer: usize,
+        header: &'a Header,
+        payload: &'a [u8],
+    ) -> Result<()> {
+        let conn = self.conn(peer).await?;
+        self.write_frame(&conn, header, payload)
+            .await
+            .map_err(|e| map_write(e, peer))
+    }
+
+    fn expect_from(&self, peer: usize) {
+        self.ensure_dialled(peer);
+    }
+
+    async fn goodbye(&self) {
+        self.shutdown().await;
+    }
+}

@@ -1,0 +1,10 @@
+//! What travels on the wire: the frame header and the Model-Spec it carries.
+
+mod frame;
+mod spec;
+
+pub use frame::{
+    verify_payload, FrameKind, Header, HEADER_FIXED, HEADER_MAX, MAGIC, PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+};
+pub use spec::{Codec, ModelSpec, MAX_DIMS};
