@@ -1,0 +1,136 @@
+//! The QUIC transport end to end, all ranks in one process on 127.0.0.1: rendezvous, mutual
+//! TLS, version negotiation and a collective over real sockets.
+
+use mcp_core::transport::quic::{QuicConfig, QuicTransport};
+use mcp_core::{Algorithm, DType, Error, Group, GroupConfig, RawBuf, ReduceOp, Tensor};
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn free_port() -> SocketAddr {
+    let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    s.local_addr().expect("addr")
+}
+
+fn config(rank: usize, world: usize, master: SocketAddr, secret: Option<&[u8]>) -> QuicConfig {
+    let mut c = QuicConfig::new(rank, world, master);
+    c.secret = secret.map(|s| s.to_vec());
+    c.connect_timeout = Duration::from_secs(10);
+    c.idle_timeout = Duration::from_secs(5);
+    c
+}
+
+async fn mesh(world: usize, secret: Option<&'static [u8]>) -> Vec<Arc<QuicTransport>> {
+    let master = free_port();
+    let tasks: Vec<_> = (0..world)
+        .map(|r| tokio::spawn(QuicTransport::connect(config(r, world, master, secret))))
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("join").expect("connect"));
+    }
+    out
+}
+
+async fn all_reduce_over(ts: Vec<Arc<QuicTransport>>, n: usize) {
+    let w = ts.len();
+    let tasks: Vec<_> = ts
+        .into_iter()
+        .enumerate()
+        .map(|(r, t)| {
+            tokio::spawn(async move {
+                let g = Group::new(t, GroupConfig::default());
+                let mut data: Vec<f32> = (0..n).map(|i| ((i + r) % 5) as f32).collect();
+                let shape = [n as u64];
+                let bytes = bytemuck_bytes(&mut data);
+                // SAFETY: `data` outlives the awaited operation and nothing else touches it.
+                let buf = unsafe { RawBuf::new(bytes.as_mut_ptr(), bytes.len()) };
+                g.all_reduce(
+                    Tensor {
+                        buf,
+                        dtype: DType::F32,
+                        shape: &shape,
+                    },
+                    ReduceOp::Sum,
+                    Algorithm::Auto,
+                )
+                .expect("valid")
+                .await
+                .expect("all_reduce");
+                g.close().await;
+                data
+            })
+        })
+        .collect();
+    for t in tasks {
+        let got = t.await.expect("join");
+        for (i, v) in got.iter().enumerate() {
+            let want: f32 = (0..w).map(|r| ((i + r) % 5) as f32).sum();
+            assert_eq!(*v, want, "element {i}");
+        }
+    }
+}
+
+fn bytemuck_bytes(v: &mut [f32]) -> &mut [u8] {
+    let len = std::mem::size_of_val(v);
+    // SAFETY: f32 has no padding and any byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_reduce_over_quic_with_a_given_secret() {
+    let ts = mesh(3, Some(b"job-secret")).await;
+    all_reduce_over(ts, 300_001).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generated_secret_is_handed_out_at_rendezvous() {
+    let ts = mesh(2, None).await;
+    assert_eq!(ts[0].secret(), ts[1].secret());
+    assert_eq!(ts[0].secret().len(), 32);
+    all_reduce_over(ts, 1000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_is_refused_at_the_handshake() {
+    let master = free_port();
+    let r0 = tokio::spawn(QuicTransport::connect(config(0, 2, master, Some(b"right"))));
+    let mut bad = config(1, 2, master, Some(b"wrong"));
+    bad.connect_timeout = Duration::from_secs(3);
+    let err = QuicTransport::connect(bad).await.err();
+    assert!(matches!(err, Some(Error::Authentication { .. })), "{err:?}");
+    r0.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_protocol_version_is_refused_with_both_versions() {
+    let master = free_port();
+    let r0 = tokio::spawn(QuicTransport::connect(config(0, 2, master, Some(b"s"))));
+    let mut newer = config(1, 2, master, Some(b"s"));
+    newer.protocol_major = 2;
+    match QuicTransport::connect(newer).await {
+        Err(Error::VersionMismatch { ours, theirs, .. }) => {
+            assert!(ours.starts_with("2."), "{ours}");
+            assert!(theirs.starts_with("1."), "{theirs}");
+        }
+        other => panic!("expected VersionMismatch, got {:?}", other.err()),
+    }
+    r0.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_rank_times_out_naming_it() {
+    let master = free_port();
+    let mut c = config(0, 3, master, Some(b"s"));
+    c.connect_timeout = Duration::from_secs(2);
+    let r1 = tokio::spawn(QuicTransport::connect({
+        let mut c1 = config(1, 3, master, Some(b"s"));
+        c1.connect_timeout = Duration::from_secs(2);
+        c1
+    }));
+    match QuicTransport::connect(c).await {
+        Err(Error::Timeout { what, .. }) => assert!(what.contains("[2]"), "{what}"),
+        other => panic!("expected Timeout, got {:?}", other.err()),
+    }
+    let _ = r1.await;
+}
