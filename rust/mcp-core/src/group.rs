@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::transport::{encode_abort, Lane, Transport};
 use crate::wire::{Codec, FrameKind, Header, ModelSpec, MAX_DIMS, PROTOCOL_MINOR};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -118,6 +118,7 @@ struct Inner<T: Transport> {
     send_seq: Vec<AtomicU64>,
     recv_seq: Vec<AtomicU64>,
     closed: AtomicBool,
+    aborts_in_flight: AtomicUsize,
 }
 
 /// The ranks of one job over one transport.
@@ -148,6 +149,7 @@ impl<T: Transport> Group<T> {
                 send_seq: (0..w).map(|_| AtomicU64::new(0)).collect(),
                 recv_seq: (0..w).map(|_| AtomicU64::new(0)).collect(),
                 closed: AtomicBool::new(false),
+                aborts_in_flight: AtomicUsize::new(0),
             }),
         }
     }
@@ -221,9 +223,13 @@ impl<T: Transport> Group<T> {
             let mb = inner.t.mailbox();
             if let Err(e) = &res {
                 if mb.abort(lane, seq, e.clone()) {
-                    let t = inner.t.clone();
+                    let inner2 = inner.clone();
                     let err = e.clone();
-                    tokio::spawn(async move { send_aborts(t, lane, seq, err, peers).await });
+                    inner.aborts_in_flight.fetch_add(1, Ordering::AcqRel);
+                    tokio::spawn(async move {
+                        send_aborts(inner2.t.clone(), lane, seq, err, peers).await;
+                        inner2.aborts_in_flight.fetch_sub(1, Ordering::AcqRel);
+                    });
                 }
             }
             mb.purge(lane, seq);
@@ -436,9 +442,16 @@ impl<T: Transport> Group<T> {
         )
     }
 
-    /// Marks the group closed (later calls fail) and tells the peers goodbye.
+    /// Marks the group closed (later calls fail), lets the aborts it owes its peers go out
+    /// (so that they fail fast rather than time out), and tells the peers goodbye.
     pub async fn close(&self) {
         if !self.inner.closed.swap(true, Ordering::AcqRel) {
+            let until = tokio::time::Instant::now() + Duration::from_secs(3);
+            while self.inner.aborts_in_flight.load(Ordering::Acquire) > 0
+                && tokio::time::Instant::now() < until
+            {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
             self.inner.t.goodbye().await;
         }
     }
@@ -498,27 +511,20 @@ async fn send_aborts<T: Transport>(t: Arc<T>, lane: Lane, seq: u64, err: Error, 
         payload_len: payload.len() as u64,
         payload_crc: crc32c::crc32c(&payload),
     };
-    let sends = peers
+    let (header, payload) = (Arc::new(header), Arc::new(payload));
+    let mut tasks = Vec::new();
+    for p in peers
         .into_iter()
         .filter(|&p| t.mailbox().peer_error(p).is_none())
-        .map(|p| {
-            let (t, header, payload) = (&t, &header, &payload);
-            async move {
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(2), t.send_frame(p, header, payload))
-                        .await;
-            }
-        });
-    futures_join_all(sends).await;
-}
-
-/// Runs futures concurrently and waits for all (a tiny `join_all` without a dependency).
-async fn futures_join_all<F: Future<Output = ()>>(futs: impl IntoIterator<Item = F>) {
-    let mut set = Vec::new();
-    for f in futs {
-        set.push(Box::pin(f));
+    {
+        let (t, header, payload) = (t.clone(), header.clone(), payload.clone());
+        tasks.push(tokio::spawn(async move {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), t.send_frame(p, &header, &payload))
+                    .await;
+        }));
     }
-    for f in set {
-        f.await;
+    for task in tasks {
+        let _ = task.await;
     }
 }

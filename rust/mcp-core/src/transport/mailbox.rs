@@ -104,6 +104,7 @@ const ABORT_MEMORY: usize = 4096;
 #[derive(Default)]
 pub struct Mailbox {
     inner: Mutex<Inner>,
+    aborts: tokio::sync::Notify,
 }
 
 impl Mailbox {
@@ -236,7 +237,23 @@ impl Mailbox {
                 let _ = tx.send(Err(err.clone()));
             }
         }
+        drop(inner);
+        self.aborts.notify_waiters();
         true
+    }
+
+    /// Resolves with the error once operation `seq` on `lane` is aborted (by us or a peer),
+    /// so that a send blocked on a slow or absent peer stops too.
+    pub async fn aborted(&self, lane: Lane, seq: u64) -> Error {
+        loop {
+            let notified = self.aborts.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(e) = self.lock().aborted.get(&(lane, seq)) {
+                return e.clone();
+            }
+            notified.await;
+        }
     }
 
     /// True when operation `seq` on `lane` was aborted (by us or by a peer).

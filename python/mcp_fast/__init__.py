@@ -1,0 +1,40 @@
+"""mcp_fast: collectives for training across slow, lossy or untrusted networks.
+
+MCP (Model Control Protocol) over QUIC with mutual TLS, from a Rust core::
+
+    import mcp_fast as mcp
+    g = mcp.init()                 # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun
+    g.all_reduce(array)            # in place, numpy or torch CPU
+"""
+
+from . import _core
+from .errors import (
+    AuthenticationError,
+    GroupClosedError,
+    MCPError,
+    MCPTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    SpecMismatchError,
+    VersionMismatchError,
+)
+from .group import Group, Work, init
+
+__version__: str = _core.__version__
+PROTOCOL_VERSION: str = f"{_core.PROTOCOL_MAJOR}.{_core.PROTOCOL_MINOR}"
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AuthenticationError",
+    "Group",
+    "GroupClosedError",
+    "MCPError",
+    "MCPTimeoutError",
+    "PeerLostError",
+    "ProtocolError",
+    "SpecMismatchError",
+    "VersionMismatchError",
+    "Work",
+    "__version__",
+    "init",
+]

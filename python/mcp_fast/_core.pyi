@@ -1,0 +1,97 @@
+"""Type stubs of the Rust extension module (rust/mcp-py)."""
+
+from typing import Any
+
+PROTOCOL_MAJOR: int
+PROTOCOL_MINOR: int
+__version__: str
+
+class Work:
+    def wait(self, timeout: float | None = None) -> bool: ...
+    def is_completed(self) -> bool: ...
+    def is_success(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+
+class ProcessGroup:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        secret: bytes | None = None,
+        timeout: float = 300.0,
+        connect_timeout: float = 300.0,
+        idle_timeout: float = 30.0,
+        chunk_bytes: int = 1048576,
+        small_bytes: int = 65536,
+        protocol_major: int | None = None,
+    ) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def secret(self) -> bytes: ...
+    @property
+    def local_addr(self) -> str: ...
+    def stats(self) -> tuple[int, int, int]: ...
+    def rtt(self, peer: int) -> float | None: ...
+    def all_reduce(
+        self,
+        ptr: int,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        op: str,
+        algorithm: str,
+        keepalive: Any,
+    ) -> Work: ...
+    def broadcast(
+        self, ptr: int, nbytes: int, dtype: str, shape: list[int], src: int, keepalive: Any
+    ) -> Work: ...
+    def all_gather(
+        self,
+        out_ptr: int,
+        out_nbytes: int,
+        out_shape: list[int],
+        in_ptr: int,
+        in_nbytes: int,
+        in_shape: list[int],
+        dtype: str,
+        keepalive: Any,
+    ) -> Work: ...
+    def reduce_scatter(
+        self,
+        out_ptr: int,
+        out_nbytes: int,
+        out_shape: list[int],
+        in_ptr: int,
+        in_nbytes: int,
+        in_shape: list[int],
+        dtype: str,
+        op: str,
+        keepalive: Any,
+    ) -> Work: ...
+    def barrier(self) -> Work: ...
+    def send(
+        self,
+        ptr: int,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        dst: int,
+        tag: int,
+        keepalive: Any,
+    ) -> Work: ...
+    def recv(
+        self,
+        ptr: int,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        src: int,
+        tag: int,
+        keepalive: Any,
+    ) -> Work: ...
+    def close(self) -> None: ...

@@ -1,0 +1,276 @@
+"""The process group: ``mcp_fast.init()`` and the collectives on numpy arrays and tensors."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from typing import Any
+
+from . import _core
+from ._buffers import Buffer, view
+from .errors import GroupClosedError
+
+_OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
+_ALGORITHMS = {"auto", "ring", "tree", "recursive_doubling", "rd"}
+
+
+def _op_name(op: Any) -> str:
+    """Accept 'sum'/'avg'/'min'/'max'/'prod' or a torch.distributed.ReduceOp."""
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
+    if name not in _OPS:
+        raise ValueError(f"unsupported op {op!r}; use 'sum', 'avg', 'min', 'max' or 'prod'")
+    return name
+
+
+class Work:
+    """Handle of an operation started with ``async_op=True``."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: _core.Work) -> None:
+        self._work = work
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done; raise the operation's error if it failed (an MCPError subclass)."""
+        return self._work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        """True once the operation has finished, successfully or not."""
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        """True once the operation has finished successfully."""
+        return self._work.is_success()
+
+    def exception(self) -> BaseException | None:
+        """The error of a failed operation, or None."""
+        return self._work.exception()
+
+    def __repr__(self) -> str:
+        return repr(self._work)
+
+
+def _finish(work: _core.Work, async_op: bool) -> Work | None:
+    if async_op:
+        return Work(work)
+    work.wait(None)
+    return None
+
+
+class Group:
+    """The ranks of one job. Every rank must call the same collectives in the same order.
+
+    All operations work in place on numpy arrays or CPU torch tensors (C-contiguous,
+    writable), release the GIL for their whole duration and never copy the data through
+    Python. With ``async_op=True`` they return a :class:`Work`; otherwise they return None
+    once the result is in place.
+    """
+
+    def __init__(self, core: _core.ProcessGroup) -> None:
+        self._core: _core.ProcessGroup | None = core
+        self.rank: int = core.rank
+        self.world_size: int = core.world_size
+        _live_groups.add(self)
+
+    @property
+    def core(self) -> _core.ProcessGroup:
+        if self._core is None:
+            raise GroupClosedError("the group is closed; call mcp_fast.init() again")
+        return self._core
+
+    @property
+    def local_addr(self) -> str:
+        """The UDP address (host:port) this rank listens on."""
+        return self.core.local_addr
+
+    def rtt(self, peer: int) -> float | None:
+        """Smoothed round-trip time to ``peer`` in seconds, once connected."""
+        return self.core.rtt(peer)
+
+    def all_reduce(
+        self, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False
+    ) -> Work | None:
+        """Reduce ``tensor`` across ranks, in place. ``algorithm``: auto, ring, tree,
+        recursive_doubling (auto picks recursive doubling up to 64 KiB, ring above)."""
+        if algorithm not in _ALGORITHMS:
+            raise ValueError(
+                f"unknown algorithm {algorithm!r}; use auto, ring, tree or recursive_doubling"
+            )
+        b = view(tensor, name="all_reduce tensor", writable=True)
+        w = self.core.all_reduce(
+            b.ptr, b.nbytes, b.dtype, list(b.shape), _op_name(op), algorithm, b.obj
+        )
+        return _finish(w, async_op)
+
+    def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False) -> Work | None:
+        """Copy rank ``src``'s ``tensor`` into every other rank's, in place."""
+        self._check_rank(src, "src")
+        b = view(tensor, name="broadcast tensor", writable=True)
+        w = self.core.broadcast(b.ptr, b.nbytes, b.dtype, list(b.shape), src, b.obj)
+        return _finish(w, async_op)
+
+    def all_gather(self, out: Any, tensor: Any, async_op: bool = False) -> Work | None:
+        """Gather every rank's ``tensor`` into ``out`` of shape ``(world_size, *tensor.shape)``."""
+        i = view(tensor, name="all_gather input", writable=False)
+        o = view(out, name="all_gather output", writable=True)
+        if o.dtype != i.dtype:
+            raise TypeError(f"all_gather: output dtype {o.dtype} differs from input {i.dtype}")
+        if o.shape != (self.world_size, *i.shape):
+            raise ValueError(
+                f"all_gather: output shape must be {(self.world_size, *i.shape)} "
+                f"(world_size, *input.shape), got {o.shape}"
+            )
+        w = self.core.all_gather(
+            o.ptr, o.nbytes, list(o.shape), i.ptr, i.nbytes, list(i.shape), i.dtype, (o.obj, i.obj)
+        )
+        return _finish(w, async_op)
+
+    def reduce_scatter(
+        self, out: Any, tensor: Any, op: Any = "sum", async_op: bool = False
+    ) -> Work | None:
+        """Reduce ``tensor`` (world_size times ``out``'s elements) across ranks and leave this
+        rank's block of the result in ``out``. ``tensor`` is not modified."""
+        i = view(tensor, name="reduce_scatter input", writable=False)
+        o = view(out, name="reduce_scatter output", writable=True)
+        if o.dtype != i.dtype:
+            raise TypeError(f"reduce_scatter: output dtype {o.dtype} differs from input {i.dtype}")
+        if i.numel != o.numel * self.world_size:
+            raise ValueError(
+                f"reduce_scatter: input must have world_size ({self.world_size}) x {o.numel} = "
+                f"{o.numel * self.world_size} elements, got {i.numel}"
+            )
+        w = self.core.reduce_scatter(
+            o.ptr,
+            o.nbytes,
+            list(o.shape),
+            i.ptr,
+            i.nbytes,
+            [i.numel],
+            i.dtype,
+            _op_name(op),
+            (o.obj, i.obj),
+        )
+        return _finish(w, async_op)
+
+    def barrier(self, async_op: bool = False) -> Work | None:
+        """Return once every rank has entered the barrier."""
+        return _finish(self.core.barrier(), async_op)
+
+    def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Work | None:
+        """Send ``tensor`` to rank ``dst``; matched in order with that rank's ``recv``."""
+        self._check_rank(dst, "dst")
+        b = view(tensor, name="send tensor", writable=False)
+        w = self.core.send(b.ptr, b.nbytes, b.dtype, list(b.shape), dst, _tag(tag), b.obj)
+        return _finish(w, async_op)
+
+    def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Work | None:
+        """Receive into ``tensor`` from rank ``src`` (same dtype and shape as sent)."""
+        self._check_rank(src, "src")
+        b = view(tensor, name="recv tensor", writable=True)
+        w = self.core.recv(b.ptr, b.nbytes, b.dtype, list(b.shape), src, _tag(tag), b.obj)
+        return _finish(w, async_op)
+
+    def close(self) -> None:
+        """Deliver what was sent, say goodbye to the peers and release the socket."""
+        core, self._core = self._core, None
+        if core is not None:
+            core.close()
+        _live_groups.discard(self)
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not isinstance(r, int) or not 0 <= r < self.world_size:
+            raise ValueError(f"{what}={r!r} is not a rank of this group (0..{self.world_size - 1})")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._core is None else "open"
+        return f"<mcp_fast.Group rank={self.rank} world_size={self.world_size} {state}>"
+
+
+def _tag(tag: int) -> int:
+    if not isinstance(tag, int) or not 0 <= tag < 2**32:
+        raise ValueError(f"tag must be an integer in [0, 2**32), got {tag!r}")
+    return tag
+
+
+_live_groups: weakref.WeakSet[Group] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for g in list(_live_groups):
+        try:
+            g.close()
+        except Exception:
+            pass
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def init(
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    secret: str | bytes | None = None,
+    timeout: float | None = None,
+    connect_timeout: float | None = None,
+    idle_timeout: float = 30.0,
+    chunk_bytes: int = 1 << 20,
+    _protocol_major: int | None = None,
+) -> Group:
+    """Join a job and return its :class:`Group`.
+
+    Arguments default to torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+    (default 127.0.0.1) and ``MASTER_PORT`` (default 29500; rank 0 listens there on UDP).
+    ``secret`` defaults to ``MCP_SECRET``; without either, rank 0 generates one and hands it
+    to the others at the rendezvous (see the README for what that trusts). ``timeout`` bounds
+    every operation (default ``MCP_TIMEOUT`` or 300 s); ``connect_timeout`` bounds the
+    rendezvous (default: ``timeout``).
+    """
+    rank = rank if rank is not None else _env_int("RANK")
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+    if rank is None and world_size is None:
+        rank, world_size = 0, 1
+    if rank is None or world_size is None:
+        raise ValueError(
+            "rank and world_size are needed: pass them or set RANK and WORLD_SIZE (torchrun does)"
+        )
+    master_addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    if master_port is None:
+        master_port = _env_int("MASTER_PORT") or 29500
+    if secret is None:
+        secret = os.environ.get("MCP_SECRET") or None
+    secret_bytes = secret.encode() if isinstance(secret, str) else secret
+    if timeout is None:
+        timeout = float(os.environ.get("MCP_TIMEOUT", "300"))
+    core = _core.ProcessGroup(
+        rank,
+        world_size,
+        master_addr,
+        master_port,
+        secret=secret_bytes,
+        timeout=timeout,
+        connect_timeout=connect_timeout if connect_timeout is not None else timeout,
+        idle_timeout=idle_timeout,
+        chunk_bytes=chunk_bytes,
+        protocol_major=_protocol_major,
+    )
+    return Group(core)

@@ -1,0 +1,323 @@
+//! `ProcessGroup`: the Python face of a core group over QUIC. Buffers arrive as (address,
+//! length) pairs that the Python layer took from numpy arrays or torch tensors after checking
+//! them; the objects themselves ride along (`keepalive`) until the operation has finished, so
+//! the memory stays valid even if the caller drops its handle.
+
+use crate::errors::to_py;
+use crate::runtime::runtime;
+use crate::work::{Work, WorkState};
+use mcp_core::transport::quic::{QuicConfig, QuicTransport};
+use mcp_core::{Algorithm, DType, Error, Group, GroupConfig, OpFuture, RawBuf, ReduceOp, Tensor};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn seconds(name: &str, s: f64) -> PyResult<Duration> {
+    if s > 0.0 && s.is_finite() {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(PyValueError::new_err(format!(
+            "{name} must be a positive number of seconds, got {s}"
+        )))
+    }
+}
+
+fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| PyValueError::new_err(format!("cannot resolve master address {host:?}: {e}")))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| addrs.first())
+        .copied()
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("master address {host:?} resolves to nothing"))
+        })
+}
+
+/// One tensor argument as the Python layer describes it.
+struct Arg {
+    buf: RawBuf,
+    dtype: DType,
+    shape: Vec<u64>,
+}
+
+impl Arg {
+    fn new(ptr: usize, nbytes: usize, dtype: &str, shape: Vec<u64>) -> PyResult<Arg> {
+        let dtype = DType::from_name(dtype)
+            .map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
+        if ptr == 0 && nbytes != 0 {
+            return Err(PyValueError::new_err("null buffer address"));
+        }
+        // SAFETY: the Python layer passes the address and length of a live, writable,
+        // C-contiguous array or tensor, and `keepalive` holds that object until the operation
+        // completes (see `ProcessGroup::start`).
+        let buf = unsafe { RawBuf::new(ptr as *mut u8, nbytes) };
+        Ok(Arg { buf, dtype, shape })
+    }
+
+    fn tensor(&self) -> Tensor<'_> {
+        Tensor {
+            buf: self.buf,
+            dtype: self.dtype,
+            shape: &self.shape,
+        }
+    }
+}
+
+/// The ranks of one job, connected over QUIC with mutual TLS.
+#[pyclass(module = "mcp_fast._core", frozen)]
+pub struct ProcessGroup {
+    group: Group<QuicTransport>,
+}
+
+impl ProcessGroup {
+    /// Runs `op` on the runtime and returns its handle; `keepalive` is released when it ends.
+    fn start(
+        &self,
+        py: Python<'_>,
+        name: &'static str,
+        op: Result<OpFuture, Error>,
+        keepalive: Py<PyAny>,
+    ) -> PyResult<Work> {
+        let op = op.map_err(|e| to_py(py, e))?;
+        let state = Arc::new(WorkState::default());
+        let done = state.clone();
+        runtime(py)?.spawn(async move {
+            let r = op.await;
+            // The buffers may be freed once the result is visible; release them first.
+            drop(keepalive);
+            done.complete(r);
+        });
+        Ok(Work { state, op: name })
+    }
+}
+
+#[pymethods]
+impl ProcessGroup {
+    /// Joins the job: rank 0 listens on (master_addr, master_port), every rank meets there.
+    #[new]
+    #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
+                        connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
+                        small_bytes=65536, protocol_major=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        master_addr: &str,
+        master_port: u16,
+        secret: Option<Vec<u8>>,
+        timeout: f64,
+        connect_timeout: f64,
+        idle_timeout: f64,
+        chunk_bytes: usize,
+        small_bytes: usize,
+        protocol_major: Option<u8>,
+    ) -> PyResult<ProcessGroup> {
+        if world_size == 0 || rank >= world_size {
+            return Err(PyValueError::new_err(format!(
+                "rank must be in [0, world_size); got rank={rank}, world_size={world_size}"
+            )));
+        }
+        if chunk_bytes < 64 {
+            return Err(PyValueError::new_err("chunk_bytes must be at least 64"));
+        }
+        let mut cfg = QuicConfig::new(rank, world_size, resolve(master_addr, master_port)?);
+        cfg.secret = secret;
+        cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
+        cfg.idle_timeout = seconds("idle_timeout", idle_timeout)?;
+        if let Some(v) = protocol_major {
+            cfg.protocol_major = v;
+        }
+        let gcfg = GroupConfig {
+            timeout: seconds("timeout", timeout)?,
+            chunk_bytes,
+            small_bytes,
+        };
+        let rt = runtime(py)?;
+        let t = py
+            .detach(|| rt.block_on(QuicTransport::connect(cfg)))
+            .map_err(|e| to_py(py, e))?;
+        Ok(ProcessGroup {
+            group: Group::new(t, gcfg),
+        })
+    }
+
+    /// This process's rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.group.world_size()
+    }
+
+    /// The job secret (rank 0 generates one when none was given).
+    #[getter]
+    fn secret(&self) -> Vec<u8> {
+        self.group.transport().secret().to_vec()
+    }
+
+    /// The UDP address this process listens on.
+    #[getter]
+    fn local_addr(&self, py: Python<'_>) -> PyResult<String> {
+        self.group
+            .transport()
+            .local_addr()
+            .map(|a| a.to_string())
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Counters: refused handshakes, frames received, corrupt frames.
+    fn stats(&self) -> (u64, u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.group.transport().stats();
+        (
+            s.refused_handshakes.load(Relaxed),
+            s.frames_received.load(Relaxed),
+            s.corrupt_frames.load(Relaxed),
+        )
+    }
+
+    /// Smoothed round-trip time to `peer` in seconds, if connected.
+    fn rtt(&self, peer: usize) -> Option<f64> {
+        self.group.transport().rtt(peer).map(|d| d.as_secs_f64())
+    }
+
+    /// All-reduce in place.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        op: &str,
+        algorithm: &str,
+        keepalive: Py<PyAny>,
+    ) -> PyResult<Work> {
+        let a = Arg::new(ptr, nbytes, dtype, shape)?;
+        let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
+        let algo = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
+        let fut = self.group.all_reduce(a.tensor(), op, algo);
+        self.start(py, "all_reduce", fut, keepalive)
+    }
+
+    /// Broadcast in place from `src`.
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        src: usize,
+        keepalive: Py<PyAny>,
+    ) -> PyResult<Work> {
+        let a = Arg::new(ptr, nbytes, dtype, shape)?;
+        let fut = self.group.broadcast(a.tensor(), src);
+        self.start(py, "broadcast", fut, keepalive)
+    }
+
+    /// All-gather `input` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        out_ptr: usize,
+        out_nbytes: usize,
+        out_shape: Vec<u64>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        in_shape: Vec<u64>,
+        dtype: &str,
+        keepalive: Py<PyAny>,
+    ) -> PyResult<Work> {
+        let o = Arg::new(out_ptr, out_nbytes, dtype, out_shape)?;
+        let i = Arg::new(in_ptr, in_nbytes, dtype, in_shape)?;
+        let fut = self.group.all_gather(o.tensor(), i.tensor());
+        self.start(py, "all_gather", fut, keepalive)
+    }
+
+    /// Reduce-scatter `input` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        out_ptr: usize,
+        out_nbytes: usize,
+        out_shape: Vec<u64>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        in_shape: Vec<u64>,
+        dtype: &str,
+        op: &str,
+        keepalive: Py<PyAny>,
+    ) -> PyResult<Work> {
+        let o = Arg::new(out_ptr, out_nbytes, dtype, out_shape)?;
+        let i = Arg::new(in_ptr, in_nbytes, dtype, in_shape)?;
+        let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
+        let fut = self.group.reduce_scatter(o.tensor(), i.tensor(), op);
+        self.start(py, "reduce_scatter", fut, keepalive)
+    }
+
+    /// Barrier.
+    fn barrier(&self, py: Python<'_>) -> PyResult<Work> {
+        let fut = self.group.barrier();
+        self.start(py, "barrier", fut, py.None())
+    }
+
+    /// Send to `dst`.
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        dst: usize,
+        tag: u32,
+        keepalive: Py<PyAny>,
+    ) -> PyResult<Work> {
+        let a = Arg::new(ptr, nbytes, dtype, shape)?;
+        let fut = self.group.send(a.tensor(), dst, tag);
+        self.start(py, "send", fut, keepalive)
+    }
+
+    /// Receive from `src`.
+    #[allow(clippy::too_many_arguments)]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        src: usize,
+        tag: u32,
+        keepalive: Py<PyAny>,
+    ) -> PyResult<Work> {
+        let a = Arg::new(ptr, nbytes, dtype, shape)?;
+        let fut = self.group.recv(a.tensor(), src, tag);
+        self.start(py, "recv", fut, keepalive)
+    }
+
+    /// Closes the group: delivers what was sent, says goodbye, releases the socket.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let rt = runtime(py)?;
+        let g = self.group.clone();
+        py.detach(|| rt.block_on(g.close()));
+        Ok(())
+    }
+}

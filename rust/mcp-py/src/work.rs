@@ -1,0 +1,119 @@
+//! A handle on an operation running on the runtime: `wait()`, `is_completed()`, callbacks.
+
+use crate::errors::to_py;
+use mcp_core::Error;
+use pyo3::prelude::*;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Where a running operation leaves its result.
+#[derive(Default)]
+pub struct WorkState {
+    result: Mutex<Option<Result<(), Error>>>,
+    done: Condvar,
+}
+
+impl WorkState {
+    /// Records the result and wakes every waiter.
+    pub fn complete(&self, r: Result<(), Error>) {
+        let mut g = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        *g = Some(r);
+        self.done.notify_all();
+    }
+
+    /// Blocks (without the GIL) until done or `timeout`; the result if done.
+    fn wait(&self, timeout: Option<Duration>) -> Option<Result<(), Error>> {
+        let until = timeout.map(|t| Instant::now() + t);
+        let mut g = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = g.as_ref() {
+                return Some(r.clone());
+            }
+            g = match until {
+                None => self.done.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(u) => {
+                    let left = u.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    self.done
+                        .wait_timeout(g, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+}
+
+/// A handle on an asynchronous operation (what `async_op=True` returns).
+#[pyclass(module = "mcp_fast._core", frozen)]
+pub struct Work {
+    pub(crate) state: Arc<WorkState>,
+    pub(crate) op: &'static str,
+}
+
+#[pymethods]
+impl Work {
+    /// Blocks until the operation finishes and raises its error if it failed. With
+    /// `timeout` (seconds), raises `MCPTimeoutError` if it is still running by then.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let t = match timeout {
+            Some(s) if !(s >= 0.0 && s.is_finite()) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "timeout must be a non-negative number of seconds, got {s}"
+                )))
+            }
+            Some(s) => Some(Duration::from_secs_f64(s)),
+            None => None,
+        };
+        let state = self.state.clone();
+        match py.detach(move || state.wait(t)) {
+            Some(Ok(())) => Ok(true),
+            Some(Err(e)) => Err(to_py(py, e)),
+            None => Err(to_py(
+                py,
+                Error::Timeout {
+                    what: format!("{} is still running", self.op),
+                    after: t.unwrap_or_default(),
+                },
+            )),
+        }
+    }
+
+    /// True once the operation has finished, successfully or not.
+    fn is_completed(&self) -> bool {
+        self.state
+            .result
+            .lock()
+            .map(|g| g.is_some())
+            .unwrap_or(true)
+    }
+
+    /// True once the operation has finished successfully.
+    fn is_success(&self) -> bool {
+        self.state
+            .result
+            .lock()
+            .map(|g| matches!(*g, Some(Ok(()))))
+            .unwrap_or(false)
+    }
+
+    /// The error of a failed operation (as the exception it would raise), else None.
+    fn exception(&self, py: Python<'_>) -> Option<PyErr> {
+        let g = self.state.result.lock().ok()?;
+        match g.as_ref() {
+            Some(Err(e)) => Some(to_py(py, e.clone())),
+            _ => None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<mcp_fast Work {} completed={}>",
+            self.op,
+            self.is_completed()
+        )
+    }
+}

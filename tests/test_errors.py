@@ -1,0 +1,139 @@
+"""Bad input and failures: each gives a typed error, on every rank involved, and nothing hangs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from _launch import Failure, run
+
+import mcp_fast as mcp
+
+
+@pytest.fixture(scope="module")
+def solo() -> mcp.Group:
+    """A one-rank group: argument checks happen before anything is sent."""
+    from _launch import free_port
+
+    g = mcp.init(rank=0, world_size=1, master_port=free_port(), secret="t", timeout=10)
+    yield g
+    g.close()
+
+
+def test_bad_arguments_are_refused_before_sending(solo: mcp.Group) -> None:
+    a = np.zeros(8, "float32")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        solo.all_reduce(np.zeros((4, 4), "float32")[:, 1])
+    ro = np.zeros(4, "float32")
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        solo.all_reduce(ro)
+    with pytest.raises(TypeError, match="not supported"):
+        solo.all_reduce(np.zeros(4, "complex64"))
+    with pytest.raises(TypeError, match="numpy.ndarray or a torch.Tensor"):
+        solo.all_reduce([1.0, 2.0])
+    with pytest.raises(ValueError, match="unsupported op"):
+        solo.all_reduce(a, op="median")
+    with pytest.raises(ValueError, match="algorithm"):
+        solo.all_reduce(a, algorithm="butterfly")
+    with pytest.raises(ValueError, match="floating"):
+        solo.all_reduce(np.zeros(4, "int32"), op="avg")
+    with pytest.raises(ValueError, match="output shape"):
+        solo.all_gather(np.zeros((2, 8), "float32"), a)
+    with pytest.raises(TypeError, match="dtype"):
+        solo.all_gather(np.zeros((1, 8), "float64"), a)
+    with pytest.raises(ValueError, match="elements"):
+        solo.reduce_scatter(np.zeros(3, "float32"), a)
+    with pytest.raises(ValueError, match="not a rank"):
+        solo.broadcast(a, src=1)
+    with pytest.raises(ValueError, match="not a rank"):
+        solo.send(a, dst=5)
+    with pytest.raises(ValueError, match="tag"):
+        solo.recv(a, src=0, tag=-1)
+    with pytest.raises(ValueError, match="self"):
+        solo.send(a, dst=0)
+
+
+def test_single_rank_collectives_are_identity(solo: mcp.Group) -> None:
+    a = np.arange(10, dtype="float64")
+    solo.all_reduce(a, op="avg")
+    np.testing.assert_array_equal(a, np.arange(10))
+    out = np.empty((1, 10), "float64")
+    solo.all_gather(out, a)
+    np.testing.assert_array_equal(out[0], a)
+    solo.barrier()
+
+
+def test_init_needs_rank_and_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        mcp.init()
+    with pytest.raises(ValueError, match="rank must be in"):
+        mcp.init(rank=3, world_size=2)
+
+
+def failures(results: list) -> list[Failure]:
+    assert all(isinstance(r, Failure) for r in results), results
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shape_mismatch_raises_on_every_rank(world: int) -> None:
+    for f in failures(run("spec_mismatch", world, world - 1, timeout=60)):
+        assert f.type == "SpecMismatchError", f.message
+        assert "float32[12]" in f.message and "float32[10]" in f.message, f.message
+
+
+def test_dtype_mismatch_raises_on_every_rank() -> None:
+    for f in failures(run("wrong_dtype", 2, timeout=60)):
+        assert f.type == "SpecMismatchError", f.message
+        assert "float64" in f.message and "int64" in f.message
+
+
+def test_operation_timeout_when_a_peer_does_not_take_part() -> None:
+    t0 = time.monotonic()
+    res = run("idle_peer", 2, 1.5, timeout=60)
+    assert isinstance(res[0], Failure) and res[0].type == "MCPTimeoutError", res[0]
+    assert "TimeoutError" in res[0].mro
+    assert time.monotonic() - t0 < 30
+
+
+def test_rendezvous_timeout_when_a_rank_never_comes() -> None:
+    res = failures(run("join_only", 3, 2.0, ranks=[0, 1], timeout=60))
+    assert [f.type for f in res] == ["MCPTimeoutError", "MCPTimeoutError"], res
+    assert "[2]" in res[0].message
+
+
+def test_wrong_secret_is_refused_at_the_handshake() -> None:
+    intruder_side, our_side = None, None
+    res = failures(run("join_with_secrets", 2, ["right", "wrong"], 3.0, timeout=60))
+    our_side, intruder_side = res
+    assert intruder_side.type == "AuthenticationError", intruder_side.message
+    assert "secret" in intruder_side.message
+    # Nothing was accepted on our side: rank 0 is still waiting for a rank 1 when it times out.
+    assert our_side.type == "MCPTimeoutError", our_side.message
+
+
+def test_version_mismatch_names_both_versions() -> None:
+    ours, newer = failures(run("join_with_versions", 2, [1, 2], 4.0, timeout=60))
+    assert newer.type == "VersionMismatchError", newer.message
+    assert "speaks MCP 2.0" in newer.message and "peer speaks MCP 1.0" in newer.message
+    assert ours.type == "MCPTimeoutError", ours.message
+
+
+def test_killed_peer_is_reported_by_every_survivor() -> None:
+    t0 = time.monotonic()
+    res = run("killed_peer", 3, 2, timeout=90)
+    for r in (0, 1):
+        f = res[r]
+        assert isinstance(f, Failure) and f.type == "PeerLostError", f
+        assert f.attrs.get("rank") == 2, f.attrs
+    assert res[2].type == "Died"
+    assert time.monotonic() - t0 < 45
+
+
+def test_closed_group_refuses_operations() -> None:
+    (f,) = run("closed_group", 1, timeout=30)
+    assert isinstance(f, Failure) and f.type == "GroupClosedError", f

@@ -1,0 +1,152 @@
+"""Functions that the multi-process tests run on every rank (see ``_launch.run``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+import mcp_fast as mcp
+
+DTYPES = ["float32", "float64", "float16", "int32", "int64", "uint8"]
+OPS = ["sum", "avg", "min", "max", "prod"]
+
+
+def data(dtype: str, op: str, rank: int, n: int, salt: int = 0) -> np.ndarray:
+    """Small integers (powers of two for prod) so that every order of reduction is exact."""
+    i = np.arange(n, dtype=np.int64)
+    h = (i * 31 + rank * 17 + salt * 7) % 9
+    if op == "prod":
+        vals = np.array([1.0, 2.0, 1.0, 0.5] if dtype.startswith("float") else [1, 2, 1, 1])
+        return vals[h % 4].astype(dtype)
+    if dtype == "uint8":
+        return h.astype(dtype)
+    return (h - 4).astype(dtype)
+
+
+def every_collective(rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with mcp.init(timeout=60) as g:
+        assert (g.rank, g.world_size) == (rank, world)
+        for algo in ["auto", "ring", "tree", "recursive_doubling"]:
+            for dtype in DTYPES:
+                for op in OPS:
+                    if op == "avg" and not dtype.startswith("float"):
+                        continue
+                    for n in sizes:
+                        a = data(dtype, op, rank, n)
+                        g.all_reduce(a, op=op, algorithm=algo)
+                        out[f"all_reduce/{algo}/{dtype}/{op}/{n}"] = a
+        for root in range(world):
+            for n in sizes:
+                b = data("int64", "sum", rank, n, salt=root) if rank == root else np.zeros(n, "int64")
+                g.broadcast(b, src=root)
+                out[f"broadcast/{root}/{n}"] = b
+        for n in sizes:
+            x = data("float32", "sum", rank, n, salt=3).reshape(n, 1)
+            o = np.empty((world, n, 1), "float32")
+            g.all_gather(o, x)
+            out[f"all_gather/{n}"] = o
+            for op in ["sum", "max"]:
+                x = data("int32", op, rank, n * world, salt=5)
+                keep = x.copy()
+                o = np.empty(n, "int32")
+                g.reduce_scatter(o, x, op=op)
+                assert np.array_equal(x, keep), "reduce_scatter modified its input"
+                out[f"reduce_scatter/{op}/{n}"] = o
+        g.barrier()
+        # send/recv around the ring, twice, with tags
+        for tag in (0, 7):
+            s = data("float64", "sum", rank, 1001, salt=tag)
+            r = np.empty(1001, "float64")
+            ws = g.send(s, dst=(rank + 1) % world, tag=tag, async_op=True)
+            g.recv(r, src=(rank - 1) % world, tag=tag)
+            ws.wait()
+            out[f"recv/{tag}"] = r
+        # async handles, several in flight
+        a1 = data("float32", "sum", rank, 5000, salt=1)
+        a2 = data("float32", "sum", rank, 5000, salt=2)
+        w1 = g.all_reduce(a1, async_op=True)
+        w2 = g.all_reduce(a2, op="max", async_op=True)
+        assert w2.wait() and w1.wait()
+        assert w1.is_completed() and w1.is_success() and w1.exception() is None
+        out["async/1"], out["async/2"] = a1, a2
+    return out
+
+
+def torch_tensors(rank: int, world: int) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    with mcp.init(timeout=60) as g:
+        for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]:
+            t = torch.arange(1000, dtype=torch.int64).remainder(7).add(rank).to(dtype)
+            g.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+            out[str(dtype)] = t.to(torch.float64).numpy()
+        p = torch.full((3, 4), float(rank), dtype=torch.bfloat16)
+        g.broadcast(p, src=world - 1)
+        out["broadcast"] = p.float().numpy()
+        big = torch.ones(1 << 20) * (rank + 1)
+        g.all_reduce(big, op="avg")
+        out["avg"] = float(big[12345])
+    return out
+
+
+def spec_mismatch(rank: int, world: int, odd: int) -> None:
+    with mcp.init(timeout=30) as g:
+        n = 12 if rank == odd else 10
+        g.all_reduce(np.zeros(n, "float32"))
+
+
+def wrong_dtype(rank: int, world: int) -> None:
+    with mcp.init(timeout=30) as g:
+        g.all_reduce(np.zeros(16, "float64" if rank == 0 else "int64"))
+
+
+def idle_peer(rank: int, world: int, op_timeout: float) -> None:
+    g = mcp.init(timeout=op_timeout)
+    if rank == 1:
+        time.sleep(op_timeout + 2)
+    else:
+        g.all_reduce(np.zeros(10, "float32"))
+    g.close()
+
+
+def join_only(rank: int, world: int, connect_timeout: float) -> None:
+    mcp.init(connect_timeout=connect_timeout).close()
+
+
+def join_with_secrets(rank: int, world: int, secrets: list[str], connect_timeout: float) -> None:
+    mcp.init(secret=secrets[rank], connect_timeout=connect_timeout).close()
+
+
+def join_with_versions(rank: int, world: int, majors: list[int], connect_timeout: float) -> None:
+    mcp.init(secret="s", connect_timeout=connect_timeout, _protocol_major=majors[rank]).close()
+
+
+def generated_secret(rank: int, world: int) -> float:
+    os.environ.pop("MCP_SECRET", None)
+    with mcp.init(timeout=30) as g:
+        a = np.ones(1000, "float32")
+        g.all_reduce(a)
+        return float(a.sum())
+
+
+def killed_peer(rank: int, world: int, victim: int) -> None:
+    g = mcp.init(timeout=60, idle_timeout=2.0)
+    a = np.ones(1 << 16, "float32")
+    g.all_reduce(a)  # everyone connected and working
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(1000):
+        g.all_reduce(a)
+    g.close()
+
+
+def closed_group(rank: int, world: int) -> None:
+    g = mcp.init(timeout=10)
+    g.close()
+    g.barrier()
