@@ -376,7 +376,8 @@ impl QuicTransport {
     }
 
     /// Closes every connection and the endpoint, after the frames already sent are delivered
-    /// (at most a few seconds).
+    /// (bounded by a few seconds): waits until the peers acknowledged every stream, tells each
+    /// peer goodbye, and waits for it to finish reading and close its side.
     pub async fn shutdown(&self) {
         if self.closing.swap(true, Ordering::AcqRel) {
             return;
@@ -384,6 +385,24 @@ impl QuicTransport {
         let until = Instant::now() + Duration::from_secs(5);
         while self.unacked_streams.load(Ordering::Acquire) > 0 && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let conns: Vec<(usize, Connection)> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter_map(|(p, s)| s.conn.borrow().clone().map(|c| (p, c)))
+            .filter(|(_, c)| c.close_reason().is_none())
+            .collect();
+        let payload: &[u8] = &[];
+        let header = rendezvous::goodbye_header(self);
+        for (_, c) in &conns {
+            let _ = self.write_frame(c, &header, payload).await;
+        }
+        for (_, c) in &conns {
+            let left = until
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(200));
+            let _ = tokio::time::timeout(left, c.closed()).await;
         }
         self.endpoint
             .close(VarInt::from_u32(close_code::GOODBYE), b"group closed");
@@ -522,14 +541,17 @@ async fn accept_loop(me: Weak<QuicTransport>) {
 /// on its peer.
 async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<usize>) {
     let known = Arc::new(Mutex::new(peer));
+    let active = Arc::new(AtomicUsize::new(0));
     let end = loop {
         match conn.accept_uni().await {
             Ok(stream) => {
                 let me = me.clone();
                 let conn = conn.clone();
                 let known = known.clone();
+                let active = active.clone();
+                active.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
-                    if let Err(e) = read_stream(&me, &conn, stream, &known).await {
+                    if let Err(e) = read_stream(&me, &conn, stream, &known, &active).await {
                         if let Some(t) = me.upgrade() {
                             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
                             // A frame we cannot trust: say so to whoever waits on that peer.
@@ -538,6 +560,7 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
                             }
                         }
                     }
+                    active.fetch_sub(1, Ordering::AcqRel);
                 });
             }
             Err(e) => break e,
@@ -554,11 +577,30 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
     }
 }
 
+/// The peer said goodbye: let the streams it sent before finish reading (they are all
+/// acknowledged, so they complete quickly), then fail later waits on it and close our side.
+async fn farewell(t: &QuicTransport, conn: &Connection, src: usize, active: &AtomicUsize) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while active.load(Ordering::Acquire) > 1 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    t.mailbox.fail_peer(
+        src,
+        Error::PeerLost {
+            rank: src,
+            op: "any operation".into(),
+            reason: "it closed its group".into(),
+        },
+    );
+    conn.close(VarInt::from_u32(close_code::GOODBYE), b"goodbye");
+}
+
 async fn read_stream(
     me: &Weak<QuicTransport>,
     conn: &Connection,
     mut stream: quinn::RecvStream,
     known: &Mutex<Option<usize>>,
+    active: &AtomicUsize,
 ) -> Result<()> {
     let mut fixed = [0u8; HEADER_FIXED];
     stream
@@ -601,8 +643,13 @@ async fn read_stream(
             *k = Some(src);
         }
     }
-    if header.kind == FrameKind::Hello {
-        t.register(src, conn.clone());
+    match header.kind {
+        FrameKind::Hello => t.register(src, conn.clone()),
+        FrameKind::Goodbye => {
+            farewell(&t, conn, src, active).await;
+            return Ok(());
+        }
+        _ => {}
     }
     let key = MsgKey::of(&header);
     match verify_payload(&header, &payload) {

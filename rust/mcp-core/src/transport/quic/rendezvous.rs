@@ -31,6 +31,11 @@ fn control_header(t: &QuicTransport, kind: FrameKind, payload: &[u8]) -> Header 
     }
 }
 
+/// The Goodbye a closing process sends to each connected peer.
+pub(super) fn goodbye_header(t: &QuicTransport) -> Header {
+    control_header(t, FrameKind::Goodbye, &[])
+}
+
 /// The Hello a dialer sends first: its rank (as `src`), world size (as `aux`) and address.
 pub(super) fn hello_frame(t: &QuicTransport) -> Result<(Header, Vec<u8>)> {
     let payload = t.local_addr()?.to_string().into_bytes();

@@ -1,0 +1,55 @@
+# The only entry points: `make demo`, `make test`, `make bench` (and their parts).
+# Every target sets up what it needs (a virtual environment with pinned packages, a release
+# build of the extension) and is safe to run again.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.deps-installed
+BUILT   := $(VENV)/.mcp-built
+PYDIRS  := python tests benches examples
+RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
+
+.PHONY: demo test bench build-dev lint fmt rust-test py-test wheel-test clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): requirements/dev.txt requirements/constraints.txt | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/dev.txt -c requirements/constraints.txt
+	touch $@
+
+$(BUILT): $(STAMP) $(RUST_SRC)
+	. $(VENV)/bin/activate && maturin develop --release --quiet
+	touch $@
+
+build-dev: $(BUILT)
+
+demo: $(BUILT)
+	$(PY) examples/collectives_demo.py --world 3
+
+lint: $(STAMP)
+	cargo fmt --all -- --check
+	cargo clippy --all-targets -- -D warnings
+	$(VENV)/bin/ruff check $(PYDIRS)
+	$(VENV)/bin/ruff format --check $(PYDIRS)
+
+fmt: $(STAMP)
+	cargo fmt --all
+	$(VENV)/bin/ruff format $(PYDIRS)
+	$(VENV)/bin/ruff check --fix $(PYDIRS)
+
+rust-test:
+	cargo test -p mcp-core
+
+py-test: $(BUILT)
+	$(PY) -m pytest
+
+test: lint rust-test py-test
+
+bench: $(BUILT)
+	$(PY) -m pytest benches --benchmark-enable --benchmark-columns=min,median,mean,ops
+	$(PY) benches/compare_gloo.py
+
+clean:
+	rm -rf target $(VENV) dist .pytest_cache .ruff_cache
