@@ -1,1 +1,3 @@
-//! placeholder for dependency build
+//! MCP (Model Control Protocol) core: transport, collectives and codecs for distributed training.
+
+pub mod delta;
