@@ -18,17 +18,13 @@ full. Example::
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Literal
 
 import numpy as np
 
 from mcp_fast import _core
 from mcp_fast.errors import MCPError
-
-try:  # torch is optional: numpy arrays work without it
-    import torch
-except ImportError:  # pragma: no cover - torch is installed in the test environment
-    torch = None  # type: ignore[assignment]
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -60,7 +56,16 @@ class DeltaCodecError(MCPError):
 Tensor = Any  # numpy.ndarray or torch.Tensor
 
 
+def _torch() -> Any:
+    """The torch module, imported on first need (importing mcp_fast.delta stays fast, and
+    torch stays optional: a process that never imported torch holds no tensors)."""
+    import torch
+
+    return torch
+
+
 def _is_torch(x: object) -> bool:
+    torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -68,6 +73,7 @@ def to_bytes_view(x: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
     """Returns a C-contiguous ``uint8`` view of ``x`` (copying only when ``x`` is not
     contiguous or not on the CPU), its dtype name and its shape."""
     if _is_torch(x):
+        torch = _torch()
         t = x.detach()
         if t.layout != torch.strided:
             raise TypeError(f"only dense tensors can be delta-coded, not {t.layout}")
@@ -78,7 +84,9 @@ def to_bytes_view(x: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
         shape = tuple(int(d) for d in t.shape)
         return t.reshape(-1).view(torch.uint8).numpy(), name, shape
     if isinstance(x, np.ndarray | np.generic):
-        a = np.ascontiguousarray(x)
+        a = np.asarray(x)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
         if a.dtype.kind not in "biufc" or a.dtype.byteorder == ">":
             raise TypeError(f"dtype {a.dtype} cannot be delta-coded")
         return a.reshape(-1).view(np.uint8), a.dtype.name, tuple(int(d) for d in a.shape)
@@ -135,8 +143,7 @@ def info(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
 def _empty(dtype: str, shape: tuple[int, ...], kind: str) -> tuple[Tensor, np.ndarray]:
     """A new tensor/array and a writable uint8 view of its bytes."""
     if kind == "torch":
-        if torch is None:  # pragma: no cover
-            raise RuntimeError("torch is not installed")
+        torch = _torch()
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         return t, t.reshape(-1).view(torch.uint8).numpy()
     a = np.empty(shape, dtype=np.dtype(dtype))
