@@ -309,3 +309,58 @@ def test_kill_9_at_random_moments_during_save(tmp_path: Path) -> None:
         proc.stdout.close()
         _check_all_steps_load(tmp_path)
     assert len(DeltaCheckpointer(tmp_path).steps()) >= 4
+
+
+def test_cli_info_verify_stats_restore(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mcp_fast import ckpt_cli
+
+    model, opt = training_state()
+    ckpt = DeltaCheckpointer(tmp_path / "ck", full_every=3)
+    for step in range(3):
+        train_step(model, opt, step)
+        ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step)
+    expected = snapshot({"model": model.state_dict(), "optim": opt.state_dict(), "step": 2})
+
+    assert ckpt_cli.main(["info", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "3 steps" in out and " full " in out and " delta " in out
+
+    assert ckpt_cli.main(["stats", str(tmp_path / "ck"), "--step", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "/model/0.weight" in out and "bfloat16" in out and "total" in out
+
+    assert ckpt_cli.main(["restore", str(tmp_path / "ck"), "2", str(tmp_path / "s.pt")]) == 0
+    assert_same(torch.load(tmp_path / "s.pt", weights_only=True), expected)
+    assert ckpt_cli.main(["restore", str(tmp_path / "ck"), "2", str(tmp_path / "s.npz")]) == 0
+    with np.load(tmp_path / "s.npz") as z:
+        w = z["model/0.weight"]
+        assert w.tobytes() == expected["model"]["0.weight"].numpy().tobytes()
+        assert z["model/2.weight"].dtype == np.float32  # bfloat16 widened exactly
+        assert int(z["step"]) == 2
+    capsys.readouterr()
+
+    assert ckpt_cli.main(["verify", str(tmp_path / "ck")]) == 0
+    assert "3 of 3 steps OK" in capsys.readouterr().out
+    f = tmp_path / "ck" / "step-000000000001.mcdc"
+    f.write_bytes(f.read_bytes()[:-1])
+    assert ckpt_cli.main(["verify", str(tmp_path / "ck")]) == 1
+    out = capsys.readouterr().out
+    assert "step 1: FAILED" in out and str(f) in out and "step 2: FAILED" in out
+    assert ckpt_cli.main(["restore", str(tmp_path / "ck"), "1", str(tmp_path / "x.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "step 1" in err and str(f) in err
+
+    for cmd in ("info", "verify", "restore", "stats"):
+        with pytest.raises(SystemExit) as ex:
+            ckpt_cli.main([cmd, "--help"])
+        assert ex.value.code == 0
+        assert "usage: mcp-ckpt" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ckpt_cli.main([])
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcp_fast.ckpt_cli", "info", str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0 and "3 steps" in proc.stdout
