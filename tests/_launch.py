@@ -89,7 +89,7 @@ def run(
             if left <= 0:
                 break
             try:
-                rank, status, value = q.get(timeout=min(left, 0.5))
+                rank, _status, value = q.get(timeout=min(left, 0.5))
             except queue.Empty:
                 # A rank that died without reporting (killed on purpose, or crashed).
                 for r, p in procs.items():

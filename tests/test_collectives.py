@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from _launch import ok, run
 from workers import DTYPES, OPS, data
 
@@ -46,22 +47,30 @@ def test_every_collective_matches_numpy(world: int) -> None:
                         want = reduce_ref([data(dtype, op, r, n) for r in range(world)], op)
                         got = out[f"all_reduce/{algo}/{dtype}/{op}/{n}"]
                         assert got.dtype == want.dtype
-                        np.testing.assert_array_equal(got, want, f"{algo} {dtype} {op} n={n} r={rank}")
+                        np.testing.assert_array_equal(
+                            got, want, f"{algo} {dtype} {op} n={n} r={rank}"
+                        )
         for root in range(world):
             for n in SIZES:
                 want = data("int64", "sum", root, n, salt=root)
                 np.testing.assert_array_equal(out[f"broadcast/{root}/{n}"], want)
         for n in SIZES:
-            want = np.stack([data("float32", "sum", r, n, salt=3).reshape(n, 1) for r in range(world)])
+            want = np.stack(
+                [data("float32", "sum", r, n, salt=3).reshape(n, 1) for r in range(world)]
+            )
             np.testing.assert_array_equal(out[f"all_gather/{n}"], want)
             for op in ["sum", "max"]:
-                full = reduce_ref([data("int32", op, r, n * world, salt=5) for r in range(world)], op)
+                full = reduce_ref(
+                    [data("int32", op, r, n * world, salt=5) for r in range(world)], op
+                )
                 np.testing.assert_array_equal(
                     out[f"reduce_scatter/{op}/{n}"], full[rank * n : (rank + 1) * n]
                 )
         for tag in (0, 7):
             src = (rank - 1) % world
-            np.testing.assert_array_equal(out[f"recv/{tag}"], data("float64", "sum", src, 1001, tag))
+            np.testing.assert_array_equal(
+                out[f"recv/{tag}"], data("float64", "sum", src, 1001, tag)
+            )
         a1 = reduce_ref([data("float32", "sum", r, 5000, salt=1) for r in range(world)], "sum")
         a2 = reduce_ref([data("float32", "sum", r, 5000, salt=2) for r in range(world)], "max")
         np.testing.assert_array_equal(out["async/1"], a1)

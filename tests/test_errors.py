@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 import pytest
-from _launch import Failure, run
 
 import mcp_fast as mcp
+from _launch import Failure, run
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_bad_arguments_are_refused_before_sending(solo: mcp.Group) -> None:
         solo.all_reduce(ro)
     with pytest.raises(TypeError, match="not supported"):
         solo.all_reduce(np.zeros(4, "complex64"))
-    with pytest.raises(TypeError, match="numpy.ndarray or a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"numpy\.ndarray or a torch\.Tensor"):
         solo.all_reduce([1.0, 2.0])
     with pytest.raises(ValueError, match="unsupported op"):
         solo.all_reduce(a, op="median")

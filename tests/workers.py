@@ -42,7 +42,11 @@ def every_collective(rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
                         out[f"all_reduce/{algo}/{dtype}/{op}/{n}"] = a
         for root in range(world):
             for n in sizes:
-                b = data("int64", "sum", rank, n, salt=root) if rank == root else np.zeros(n, "int64")
+                b = (
+                    data("int64", "sum", rank, n, salt=root)
+                    if rank == root
+                    else np.zeros(n, "int64")
+                )
                 g.broadcast(b, src=root)
                 out[f"broadcast/{root}/{n}"] = b
         for n in sizes:

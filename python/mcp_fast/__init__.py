@@ -7,7 +7,7 @@ MCP (Model Control Protocol) over QUIC with mutual TLS, from a Rust core::
     g.all_reduce(array)            # in place, numpy or torch CPU
 """
 
-from . import _core
+from . import _core, checkpoint, delta
 from .errors import (
     AuthenticationError,
     GroupClosedError,
@@ -25,6 +25,8 @@ PROTOCOL_VERSION: str = f"{_core.PROTOCOL_MAJOR}.{_core.PROTOCOL_MINOR}"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "checkpoint",
+    "delta",
     "AuthenticationError",
     "Group",
     "GroupClosedError",

@@ -82,7 +82,9 @@ def view(x: Any, *, name: str, writable: bool) -> Buffer:
         if x.is_sparse or not x.is_contiguous():
             raise ValueError(f"{name}: the tensor is not contiguous; pass t.contiguous()")
         if x.is_conj() or x.is_neg():
-            raise ValueError(f"{name}: lazily conjugated/negated views are not supported; resolve()")
+            raise ValueError(
+                f"{name}: lazily conjugated/negated views are not supported; resolve()"
+            )
         nbytes = x.numel() * x.element_size()
         return Buffer(int(x.data_ptr()), nbytes, dtype, tuple(x.shape), x)
     raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")

@@ -1,5 +1,6 @@
 """Type stubs of the Rust extension module (rust/mcp-py)."""
 
+from collections.abc import Buffer
 from typing import Any
 
 PROTOCOL_MAJOR: int
@@ -95,3 +96,20 @@ class ProcessGroup:
         keepalive: Any,
     ) -> Work: ...
     def close(self) -> None: ...
+
+def delta_encode(
+    cur: Buffer,
+    dtype: str,
+    shape: list[int],
+    prev: Buffer | None = None,
+    *,
+    level: int = 1,
+    chunk_bytes: int = 1048576,
+    threads: int = 0,
+    max_abs_error: float | None = None,
+) -> bytes: ...
+def delta_decode_into(
+    blob: Buffer, prev: Buffer | None, out: Buffer, *, threads: int = 0
+) -> None: ...
+def delta_info(blob: Buffer) -> dict[str, Any]: ...
+def delta_content_hash(data: Buffer) -> int: ...

@@ -41,7 +41,7 @@ class MCPTimeoutError(MCPError, TimeoutError):
 
 
 class AuthenticationError(MCPError):
-    """The TLS handshake failed: the peer does not hold this job's secret (or we do not hold its)."""
+    """The TLS handshake failed: the two sides do not hold the same job secret."""
 
 
 class VersionMismatchError(MCPError):

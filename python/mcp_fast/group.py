@@ -8,7 +8,7 @@ import weakref
 from typing import Any
 
 from . import _core
-from ._buffers import Buffer, view
+from ._buffers import view
 from .errors import GroupClosedError
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}

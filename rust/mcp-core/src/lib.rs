@@ -10,6 +10,7 @@
 pub mod backoff;
 pub mod buffer;
 pub mod collectives;
+pub mod delta;
 pub mod dtype;
 pub mod error;
 pub mod group;

@@ -1,6 +1,7 @@
 //! `mcp_fast._core`: the thin PyO3 binding of mcp-core. It converts arguments, releases the
 //! GIL for every operation, and maps core errors to Python exceptions; nothing else.
 
+mod delta;
 mod errors;
 mod group;
 mod runtime;
@@ -13,6 +14,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::ProcessGroup>()?;
     m.add_class::<work::Work>()?;
+    delta::register(m)?;
     m.add("PROTOCOL_MAJOR", mcp_core::wire::PROTOCOL_MAJOR)?;
     m.add("PROTOCOL_MINOR", mcp_core::wire::PROTOCOL_MINOR)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

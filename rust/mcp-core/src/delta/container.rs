@@ -1,0 +1,768 @@
+//! The blob format of one encoded tensor, and the chunked, parallel encoder and decoder.
+//!
+//! ```text
+//! header   magic "MCDT" | version u8 | mode u8 | dtype u8 | ndim u8
+//!          nbytes u64 | chunk_bytes u32 | n_chunks u32 | content hash u64 (xxh3-64 of the
+//!          tensor a decoder rebuilds) | max_abs_error f64 | ndim × dim u64
+//!          | n_chunks × coded chunk length u32 | crc32c of all the above u32
+//! chunk    transform u8 | lane width u8 | n_planes u8 | n_planes × (method u8, length u32)
+//!          | the planes' payloads | crc32c of the chunk's preceding bytes u32
+//! ```
+//! All integers are little-endian. Chunk `i` covers bytes `[i·chunk_bytes, (i+1)·chunk_bytes)`
+//! of the tensor; chunks are coded independently, in parallel, with bounded scratch memory.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::byteplane::{self, Transform};
+use super::dtype::{DType, Lane};
+use super::entropy::{Method, PlaneDecoder, PlaneEncoder};
+use super::error::{DeltaError, Result};
+use super::lossy;
+
+const MAGIC: &[u8; 4] = b"MCDT";
+const VERSION: u8 = 1;
+const FIXED_HEADER: usize = 40;
+const MAX_NDIM: usize = 64;
+
+/// Default size of an independently coded chunk.
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+
+/// What a blob holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Mode {
+    /// The whole tensor, byte planes coded without a previous tensor.
+    Full = 0,
+    /// A lossless delta against the previous tensor.
+    Delta = 1,
+    /// The tensor equals the previous one: no chunks.
+    Unchanged = 2,
+    /// A quantised delta within `max_abs_error` of the tensor.
+    Lossy = 3,
+}
+
+impl Mode {
+    fn from_code(c: u8) -> Option<Mode> {
+        match c {
+            0 => Some(Mode::Full),
+            1 => Some(Mode::Delta),
+            2 => Some(Mode::Unchanged),
+            3 => Some(Mode::Lossy),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name (`"full"`, `"delta"`, `"unchanged"`, `"lossy"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Full => "full",
+            Mode::Delta => "delta",
+            Mode::Unchanged => "unchanged",
+            Mode::Lossy => "lossy",
+        }
+    }
+
+    /// Whether decoding needs the previous tensor.
+    pub fn needs_prev(self) -> bool {
+        !matches!(self, Mode::Full)
+    }
+}
+
+/// Options of [`encode`].
+#[derive(Debug, Clone)]
+pub struct EncodeOptions {
+    /// zstd level for the planes (1–22; 1–3 are fast and nearly as good on deltas).
+    pub level: i32,
+    /// Bytes of tensor per independently coded chunk (rounded down to a multiple of 16).
+    pub chunk_bytes: usize,
+    /// Worker threads; 0 means all available cores.
+    pub threads: usize,
+    /// Enables the lossy mode for float dtypes: every rebuilt element is within this
+    /// absolute error of the tensor. `None` (the default) is lossless.
+    pub max_abs_error: Option<f64>,
+}
+
+impl Default for EncodeOptions {
+    fn default() -> Self {
+        EncodeOptions {
+            level: 1,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            threads: 0,
+            max_abs_error: None,
+        }
+    }
+}
+
+/// The parsed header of a blob.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlobInfo {
+    /// What the blob holds.
+    pub mode: Mode,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape of the tensor.
+    pub shape: Vec<u64>,
+    /// Size of the tensor in bytes.
+    pub nbytes: u64,
+    /// xxh3-64 of the tensor a decoder rebuilds.
+    pub hash: u64,
+    /// Bytes of tensor per chunk.
+    pub chunk_bytes: u32,
+    /// The lossy mode's error bound (0 otherwise).
+    pub max_abs_error: f64,
+    /// Length of the header in bytes.
+    pub header_len: usize,
+    /// Coded length of each chunk.
+    pub chunk_lens: Vec<u32>,
+}
+
+impl BlobInfo {
+    /// Total length of the blob.
+    pub fn blob_len(&self) -> usize {
+        self.header_len + self.chunk_lens.iter().map(|&l| l as usize).sum::<usize>()
+    }
+}
+
+/// An encoded tensor: a header and the coded chunks, kept apart so that the caller can copy
+/// them once into their final place (a file, a Python `bytes`).
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    header: Vec<u8>,
+    chunks: Vec<Vec<u8>>,
+    mode: Mode,
+}
+
+impl Encoded {
+    /// Total length of the blob.
+    pub fn len(&self) -> usize {
+        self.header.len() + self.chunks.iter().map(Vec::len).sum::<usize>()
+    }
+
+    /// Whether the blob is empty (never: a header is always there).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What the blob holds.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The pieces of the blob, in order.
+    pub fn parts(&self) -> impl Iterator<Item = &[u8]> {
+        std::iter::once(self.header.as_slice()).chain(self.chunks.iter().map(Vec::as_slice))
+    }
+
+    /// Copies the blob into `out`, which must be exactly [`Encoded::len`] bytes.
+    pub fn write_to(&self, out: &mut [u8]) -> Result<()> {
+        if out.len() != self.len() {
+            return Err(DeltaError::InvalidArgument(
+                "output of the wrong length".into(),
+            ));
+        }
+        let mut at = 0;
+        for p in self.parts() {
+            out[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        Ok(())
+    }
+
+    /// The blob as one vector.
+    pub fn into_vec(self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len());
+        for p in self.parts() {
+            v.extend_from_slice(p);
+        }
+        v
+    }
+}
+
+/// xxh3-64 of a tensor's bytes: the content hash stored in every blob.
+pub fn content_hash(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+fn threads(requested: usize) -> usize {
+    if requested > 0 {
+        requested
+    } else {
+        std::thread::available_parallelism().map_or(1, usize::from)
+    }
+}
+
+/// Runs `f` over `work` on up to `threads` scoped threads (round-robin), each with its own
+/// state from `init`.
+fn run_parallel<W: Send, S>(
+    work: Vec<W>,
+    threads: usize,
+    init: impl Fn() -> Result<S> + Sync,
+    f: impl Fn(&mut S, W) -> Result<()> + Sync,
+) -> Result<()> {
+    let t = threads.min(work.len()).max(1);
+    if t == 1 {
+        let mut s = init()?;
+        return work.into_iter().try_for_each(|w| f(&mut s, w));
+    }
+    let mut buckets: Vec<Vec<W>> = (0..t).map(|_| Vec::new()).collect();
+    for (i, w) in work.into_iter().enumerate() {
+        buckets[i % t].push(w);
+    }
+    let failed = AtomicBool::new(false);
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = buckets
+            .into_iter()
+            .map(|bucket| {
+                let (init, f, failed) = (&init, &f, &failed);
+                scope.spawn(move || -> Result<()> {
+                    let mut s = init()?;
+                    for w in bucket {
+                        if failed.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        if let Err(e) = f(&mut s, w) {
+                            failed.store(true, Ordering::Relaxed);
+                            return Err(e);
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(DeltaError::InvalidArgument(
+                        "a codec worker thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+fn lossless_transform(dtype: DType) -> Transform {
+    match dtype.lane() {
+        Lane::Bits => Transform::Xor,
+        Lane::Int => Transform::IntSub,
+        Lane::Float => Transform::FloatSub,
+    }
+}
+
+fn tensor_len(dtype: DType, shape: &[u64]) -> Option<u64> {
+    shape
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Per-thread scratch of the chunk coder.
+struct Scratch {
+    planes: Vec<u8>,
+    quant: Vec<u8>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn encode_chunk(
+    enc: &mut PlaneEncoder,
+    sc: &mut Scratch,
+    dtype: DType,
+    mode: Mode,
+    prev: &[u8],
+    cur: &[u8],
+    max_abs_error: f64,
+    recon: &mut [u8],
+) -> Vec<u8> {
+    let (mut tr, mut width) = match mode {
+        Mode::Full => (Transform::Raw, dtype.lane_width()),
+        _ => (lossless_transform(dtype), dtype.lane_width()),
+    };
+    let mut lanes: &[u8] = cur;
+    if mode == Mode::Lossy {
+        sc.quant.resize(cur.len() / dtype.size() * 4, 0);
+        if lossy::quantize(dtype, prev, cur, max_abs_error, &mut sc.quant, recon) {
+            tr = Transform::Quant;
+            width = 4;
+            lanes = &sc.quant;
+        } else {
+            recon.copy_from_slice(cur);
+        }
+    }
+    sc.planes.resize(lanes.len(), 0);
+    let p = if matches!(tr, Transform::Raw | Transform::Quant) {
+        &[][..]
+    } else {
+        prev
+    };
+    byteplane::split(tr, width, p, lanes, &mut sc.planes);
+    let n = lanes.len() / width;
+    let mut out = Vec::with_capacity(3 + 5 * width);
+    out.extend_from_slice(&[tr as u8, width as u8, width as u8]);
+    let table = out.len();
+    out.resize(table + 5 * width, 0);
+    let mut lens = Vec::with_capacity(width);
+    for k in 0..width {
+        let before = out.len();
+        let m = enc.encode(&sc.planes[k * n..(k + 1) * n], &mut out);
+        lens.push((m, (out.len() - before) as u32));
+    }
+    for (k, (m, l)) in lens.into_iter().enumerate() {
+        out[table + 5 * k] = m as u8;
+        out[table + 5 * k + 1..table + 5 * k + 5].copy_from_slice(&l.to_le_bytes());
+    }
+    let crc = crc32c::crc32c(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Encodes `cur` (the bytes of a C-contiguous tensor of `dtype` and `shape`) against `prev`
+/// (the same tensor at the previous checkpoint, or `None` for a full encoding).
+///
+/// The mode is chosen here: [`Mode::Full`] without `prev`, [`Mode::Unchanged`] when the
+/// bytes are equal, [`Mode::Lossy`] when `opts.max_abs_error` is set and the dtype is a
+/// float, else [`Mode::Delta`]. A tensor whose shape or dtype changed must be encoded with
+/// `prev = None`.
+pub fn encode(
+    dtype: DType,
+    shape: &[u64],
+    prev: Option<&[u8]>,
+    cur: &[u8],
+    opts: &EncodeOptions,
+) -> Result<Encoded> {
+    if shape.len() > MAX_NDIM {
+        return Err(DeltaError::InvalidArgument(format!(
+            "more than {MAX_NDIM} dimensions"
+        )));
+    }
+    if tensor_len(dtype, shape) != Some(cur.len() as u64) {
+        return Err(DeltaError::InvalidArgument(format!(
+            "{} bytes do not hold a {} tensor of shape {shape:?}",
+            cur.len(),
+            dtype.name()
+        )));
+    }
+    if let Some(p) = prev {
+        if p.len() != cur.len() {
+            return Err(DeltaError::PrevMismatch(format!(
+                "previous tensor has {} bytes, current {}",
+                p.len(),
+                cur.len()
+            )));
+        }
+    }
+    let max_abs_error = match opts.max_abs_error {
+        Some(e) if !(e.is_finite() && e > 0.0) => {
+            return Err(DeltaError::InvalidArgument(format!(
+                "max_abs_error must be finite and > 0, got {e}"
+            )))
+        }
+        Some(e) => e,
+        None => 0.0,
+    };
+    if !(1..=22).contains(&opts.level) {
+        return Err(DeltaError::InvalidArgument(format!(
+            "zstd level {} not in 1..=22",
+            opts.level
+        )));
+    }
+    let chunk_bytes = (opts.chunk_bytes.clamp(16, 1 << 30) / 16) * 16;
+    let mode = match prev {
+        None => Mode::Full,
+        Some(p) if p == cur => Mode::Unchanged,
+        Some(_) if opts.max_abs_error.is_some() && dtype.is_float() => Mode::Lossy,
+        Some(_) => Mode::Delta,
+    };
+    let prev = prev.unwrap_or(&[]);
+    let n_chunks = if mode == Mode::Unchanged {
+        0
+    } else {
+        cur.len().div_ceil(chunk_bytes)
+    };
+    let mut chunks: Vec<Vec<u8>> = vec![Vec::new(); n_chunks];
+    let mut recon = if mode == Mode::Lossy {
+        vec![0u8; cur.len()]
+    } else {
+        Vec::new()
+    };
+    {
+        let work: Vec<_> = chunks
+            .iter_mut()
+            .enumerate()
+            .zip(
+                recon
+                    .chunks_mut(chunk_bytes)
+                    .map(Some)
+                    .chain(std::iter::repeat_with(|| None)),
+            )
+            .map(|((i, slot), r)| (i, slot, r))
+            .collect();
+        run_parallel(
+            work,
+            threads(opts.threads),
+            || {
+                Ok((
+                    PlaneEncoder::new(opts.level)?,
+                    Scratch {
+                        planes: Vec::new(),
+                        quant: Vec::new(),
+                    },
+                ))
+            },
+            |(enc, sc), (i, slot, r)| {
+                let lo = i * chunk_bytes;
+                let hi = (lo + chunk_bytes).min(cur.len());
+                let p = prev.get(lo..hi).unwrap_or(&[]);
+                *slot = encode_chunk(
+                    enc,
+                    sc,
+                    dtype,
+                    mode,
+                    p,
+                    &cur[lo..hi],
+                    max_abs_error,
+                    r.unwrap_or(&mut []),
+                );
+                Ok(())
+            },
+        )?;
+    }
+    let hash = content_hash(if mode == Mode::Lossy { &recon } else { cur });
+    drop(recon);
+    let mut h = Vec::with_capacity(FIXED_HEADER + 8 * shape.len() + 4 * n_chunks + 4);
+    h.extend_from_slice(MAGIC);
+    h.extend_from_slice(&[VERSION, mode as u8, dtype.code(), shape.len() as u8]);
+    h.extend_from_slice(&(cur.len() as u64).to_le_bytes());
+    h.extend_from_slice(&(chunk_bytes as u32).to_le_bytes());
+    h.extend_from_slice(&(n_chunks as u32).to_le_bytes());
+    h.extend_from_slice(&hash.to_le_bytes());
+    h.extend_from_slice(&max_abs_error.to_le_bytes());
+    for d in shape {
+        h.extend_from_slice(&d.to_le_bytes());
+    }
+    for c in &chunks {
+        let l = u32::try_from(c.len())
+            .map_err(|_| DeltaError::InvalidArgument("chunk does not fit 4 GiB".into()))?;
+        h.extend_from_slice(&l.to_le_bytes());
+    }
+    let crc = crc32c::crc32c(&h);
+    h.extend_from_slice(&crc.to_le_bytes());
+    Ok(Encoded {
+        header: h,
+        chunks,
+        mode,
+    })
+}
+
+/// A little-endian reader that reports truncation instead of panicking.
+struct Reader<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let s = self
+            .at
+            .checked_add(n)
+            .and_then(|end| self.buf.get(self.at..end))
+            .ok_or_else(|| DeltaError::Truncated(format!("{what} at byte {}", self.at)))?;
+        self.at += n;
+        Ok(s)
+    }
+    fn arr<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N, what)?);
+        Ok(a)
+    }
+    fn u8(&mut self, what: &str) -> Result<u8> {
+        Ok(self.arr::<1>(what)?[0])
+    }
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.arr(what)?))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.arr(what)?))
+    }
+}
+
+/// Parses and checks the header of `blob` (magic, version, checksum, and that the chunk
+/// lengths add up to the blob's length).
+pub fn read_info(blob: &[u8]) -> Result<BlobInfo> {
+    let mut r = Reader { buf: blob, at: 0 };
+    if r.take(4, "magic")? != MAGIC {
+        return Err(DeltaError::BadMagic(
+            "the blob does not start with MCDT".into(),
+        ));
+    }
+    let version = r.u8("version")?;
+    if version != VERSION {
+        return Err(DeltaError::BadMagic(format!(
+            "version {version}, this codec reads {VERSION}"
+        )));
+    }
+    let mode_code = r.u8("mode")?;
+    let dtype_code = r.u8("dtype")?;
+    let ndim = usize::from(r.u8("ndim")?);
+    let nbytes = r.u64("nbytes")?;
+    let chunk_bytes = r.u32("chunk size")?;
+    let n_chunks = r.u32("chunk count")? as usize;
+    let hash = r.u64("hash")?;
+    let max_abs_error = f64::from_le_bytes(r.arr("error bound")?);
+    // Bound the tables by the blob's length before allocating them.
+    let table = 8 * ndim + 4 * n_chunks;
+    if blob.len() < FIXED_HEADER + table + 4 {
+        return Err(DeltaError::Truncated(format!(
+            "header announces {ndim} dims and {n_chunks} chunks, blob has {} bytes",
+            blob.len()
+        )));
+    }
+    let shape = (0..ndim)
+        .map(|_| r.u64("shape"))
+        .collect::<Result<Vec<u64>>>()?;
+    let chunk_lens = (0..n_chunks)
+        .map(|_| r.u32("chunk table"))
+        .collect::<Result<Vec<u32>>>()?;
+    let header_end = r.at;
+    let crc = r.u32("header checksum")?;
+    if crc32c::crc32c(&blob[..header_end]) != crc {
+        return Err(DeltaError::Corrupt("header checksum mismatch".into()));
+    }
+    let mode = Mode::from_code(mode_code)
+        .ok_or_else(|| DeltaError::Corrupt(format!("unknown mode {mode_code}")))?;
+    let dtype = DType::from_code(dtype_code)
+        .ok_or_else(|| DeltaError::Corrupt(format!("unknown dtype code {dtype_code}")))?;
+    if ndim > MAX_NDIM || tensor_len(dtype, &shape) != Some(nbytes) {
+        return Err(DeltaError::Corrupt(format!(
+            "shape {shape:?} does not match {nbytes} bytes"
+        )));
+    }
+    if chunk_bytes == 0 || chunk_bytes % 16 != 0 {
+        return Err(DeltaError::Corrupt(format!("chunk size {chunk_bytes}")));
+    }
+    let expect_chunks = if mode == Mode::Unchanged {
+        0
+    } else {
+        nbytes.div_ceil(u64::from(chunk_bytes))
+    };
+    if n_chunks as u64 != expect_chunks {
+        return Err(DeltaError::Corrupt(format!(
+            "{n_chunks} chunks for {nbytes} bytes in chunks of {chunk_bytes}"
+        )));
+    }
+    if mode == Mode::Lossy && !(max_abs_error.is_finite() && max_abs_error > 0.0) {
+        return Err(DeltaError::Corrupt(format!(
+            "lossy blob with error bound {max_abs_error}"
+        )));
+    }
+    let info = BlobInfo {
+        mode,
+        dtype,
+        shape,
+        nbytes,
+        hash,
+        chunk_bytes,
+        max_abs_error,
+        header_len: r.at,
+        chunk_lens,
+    };
+    let total = info.blob_len();
+    if total > blob.len() {
+        return Err(DeltaError::Truncated(format!(
+            "blob has {} bytes, its header announces {total}",
+            blob.len()
+        )));
+    }
+    if total < blob.len() {
+        return Err(DeltaError::Corrupt(format!(
+            "{} trailing bytes after the last chunk",
+            blob.len() - total
+        )));
+    }
+    Ok(info)
+}
+
+fn decode_chunk(
+    dec: &mut PlaneDecoder,
+    planes: &mut Vec<u8>,
+    info: &BlobInfo,
+    index: usize,
+    chunk: &[u8],
+    prev: &[u8],
+    out: &mut [u8],
+) -> Result<()> {
+    let corrupt = |what: String| DeltaError::Corrupt(format!("chunk {index}: {what}"));
+    let body_len = chunk
+        .len()
+        .checked_sub(4)
+        .ok_or_else(|| corrupt("shorter than 4".into()))?;
+    let (body, crc) = chunk.split_at(body_len);
+    let mut crc_bytes = [0u8; 4];
+    crc_bytes.copy_from_slice(crc);
+    if crc32c::crc32c(body) != u32::from_le_bytes(crc_bytes) {
+        return Err(corrupt("checksum mismatch".into()));
+    }
+    let mut r = Reader { buf: body, at: 0 };
+    let tr_code = r.u8("transform")?;
+    let width = usize::from(r.u8("width")?);
+    let n_planes = usize::from(r.u8("plane count")?);
+    let tr = Transform::from_code(tr_code)
+        .ok_or_else(|| corrupt(format!("unknown transform {tr_code}")))?;
+    let dtype = info.dtype;
+    let lossless = lossless_transform(dtype);
+    let expect_width = if tr == Transform::Quant {
+        4
+    } else {
+        dtype.lane_width()
+    };
+    let allowed = match info.mode {
+        Mode::Full => tr == Transform::Raw,
+        Mode::Delta => tr == lossless,
+        Mode::Lossy => tr == lossless || (tr == Transform::Quant && dtype.is_float()),
+        Mode::Unchanged => false,
+    };
+    if !allowed || width != expect_width || n_planes != width {
+        return Err(corrupt(format!(
+            "transform {tr:?} of width {width} with {n_planes} planes in a {} {} blob",
+            info.mode.name(),
+            dtype.name()
+        )));
+    }
+    let lanes_len = if tr == Transform::Quant {
+        out.len() / dtype.size() * 4
+    } else {
+        out.len()
+    };
+    let n = lanes_len / width;
+    planes.resize(lanes_len, 0);
+    let mut table = Vec::with_capacity(n_planes);
+    for _ in 0..n_planes {
+        let m = r.u8("plane method")?;
+        let m = Method::from_code(m).ok_or_else(|| corrupt(format!("unknown method {m}")))?;
+        table.push((m, r.u32("plane length")? as usize));
+    }
+    for (k, (m, len)) in table.into_iter().enumerate() {
+        let payload = r.take(len, "plane payload")?;
+        dec.decode(m, payload, &mut planes[k * n..(k + 1) * n])
+            .map_err(|e| corrupt(format!("plane {k}: {e}")))?;
+    }
+    if r.at != body.len() {
+        return Err(corrupt(format!(
+            "{} bytes after the planes",
+            body.len() - r.at
+        )));
+    }
+    match tr {
+        Transform::Quant => {
+            let mut q = std::mem::take(planes);
+            let mut lanes = vec![0u8; lanes_len];
+            byteplane::merge(Transform::Raw, 4, &[], &q, &mut lanes);
+            let res = lossy::dequantize(dtype, prev, &lanes, info.max_abs_error, out);
+            q.clear();
+            *planes = q;
+            res
+        }
+        Transform::Raw => {
+            byteplane::merge(tr, width, &[], planes, out);
+            Ok(())
+        }
+        _ => {
+            byteplane::merge(tr, width, prev, planes, out);
+            Ok(())
+        }
+    }
+}
+
+/// Decodes `blob` into `out` (exactly the tensor's byte length), using `prev` (the tensor the
+/// blob was encoded against) when the blob is not a full one. Checks every checksum and the
+/// content hash of the result; never panics on any input.
+pub fn decode_into(
+    blob: &[u8],
+    prev: Option<&[u8]>,
+    out: &mut [u8],
+    threads_requested: usize,
+) -> Result<BlobInfo> {
+    let info = read_info(blob)?;
+    if out.len() as u64 != info.nbytes {
+        return Err(DeltaError::InvalidArgument(format!(
+            "output has {} bytes, the tensor {}",
+            out.len(),
+            info.nbytes
+        )));
+    }
+    let prev: &[u8] = if info.mode.needs_prev() {
+        match prev {
+            Some(p) if p.len() == out.len() => p,
+            Some(p) => {
+                return Err(DeltaError::PrevMismatch(format!(
+                    "previous tensor has {} bytes, this {} blob needs {}",
+                    p.len(),
+                    info.mode.name(),
+                    out.len()
+                )))
+            }
+            None => {
+                return Err(DeltaError::PrevMismatch(format!(
+                    "a {} blob needs the previous tensor",
+                    info.mode.name()
+                )))
+            }
+        }
+    } else {
+        &[]
+    };
+    if info.mode == Mode::Unchanged {
+        out.copy_from_slice(prev);
+    } else {
+        let cb = info.chunk_bytes as usize;
+        let mut at = info.header_len;
+        let mut work = Vec::with_capacity(info.chunk_lens.len());
+        for (i, (o, &len)) in out.chunks_mut(cb).zip(info.chunk_lens.iter()).enumerate() {
+            let c = &blob[at..at + len as usize];
+            at += len as usize;
+            let p = prev.get(i * cb..i * cb + o.len()).unwrap_or(&[]);
+            work.push((i, c, p, o));
+        }
+        run_parallel(
+            work,
+            threads(threads_requested),
+            || Ok((PlaneDecoder::new()?, Vec::new())),
+            |(dec, planes), (i, c, p, o)| decode_chunk(dec, planes, &info, i, c, p, o),
+        )?;
+    }
+    let actual = content_hash(out);
+    if actual != info.hash {
+        return Err(DeltaError::HashMismatch {
+            expected: info.hash,
+            actual,
+        });
+    }
+    Ok(info)
+}
+
+/// Decodes `blob` into a new vector; see [`decode_into`].
+pub fn decode(blob: &[u8], prev: Option<&[u8]>, threads: usize) -> Result<(BlobInfo, Vec<u8>)> {
+    let info = read_info(blob)?;
+    if let (true, Some(p)) = (info.mode.needs_prev(), prev) {
+        if p.len() as u64 != info.nbytes {
+            return Err(DeltaError::PrevMismatch(format!(
+                "previous tensor has {} bytes, the blob's tensor {}",
+                p.len(),
+                info.nbytes
+            )));
+        }
+    }
+    let len = usize::try_from(info.nbytes)
+        .map_err(|_| DeltaError::Corrupt("tensor larger than memory".into()))?;
+    // The chunk table has been checked against the blob: a tensor cannot be much larger
+    // than its blob unless its planes are constant, so refuse absurd sizes before allocating.
+    if prev.is_none() && len / 8 > blob.len().saturating_mul(1 << 14) {
+        return Err(DeltaError::Corrupt(format!(
+            "{len} bytes from a {}-byte blob",
+            blob.len()
+        )));
+    }
+    let mut out = vec![0u8; len];
+    let info = decode_into(blob, prev, &mut out, threads)?;
+    Ok((info, out))
+}

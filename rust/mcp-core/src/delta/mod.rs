@@ -1,0 +1,43 @@
+//! Checkpoint delta encoder: lossless (and optionally lossy) coding of a tensor against the
+//! same tensor at the previous checkpoint.
+//!
+//! The pipeline, per independently coded chunk of [`DEFAULT_CHUNK_BYTES`]:
+//! 1. transform every element against the previous one — XOR for opaque bytes, wrapping
+//!    difference for integers, ulp distance for floats (`byteplane`);
+//! 2. split the transformed elements into byte planes (4 for `float32`, 2 for `bfloat16`);
+//! 3. store each plane as a constant, zstd, or raw, whichever is smallest (`entropy`).
+//!
+//! Chunks are coded on all cores; each blob carries its dtype, shape, per-chunk CRC32C and
+//! the xxh3-64 content hash of the tensor a decoder rebuilds, which [`decode_into`] checks.
+//! A lossy mode ([`EncodeOptions::max_abs_error`]) quantises float deltas with a bounded
+//! absolute error (`lossy`); it is never the default.
+//!
+//! ```
+//! use mcp_core::delta::{decode, encode, DType, EncodeOptions, Mode};
+//! let prev: Vec<u8> = (0..64u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+//! let cur: Vec<u8> = (0..64u32).flat_map(|i| (i as f32 + 0.5).to_le_bytes()).collect();
+//! let blob = encode(DType::F32, &[8, 8], Some(&prev), &cur, &EncodeOptions::default())?;
+//! assert_eq!(blob.mode(), Mode::Delta);
+//! let (info, back) = decode(&blob.into_vec(), Some(&prev), 0)?;
+//! assert_eq!((back, info.shape), (cur, vec![8, 8]));
+//! # Ok::<(), mcp_core::delta::DeltaError>(())
+//! ```
+
+mod byteplane;
+mod container;
+mod dtype;
+mod entropy;
+mod error;
+mod lossy;
+
+pub use byteplane::Transform;
+pub use container::{
+    content_hash, decode, decode_into, encode, read_info, BlobInfo, EncodeOptions, Encoded, Mode,
+    DEFAULT_CHUNK_BYTES,
+};
+pub use dtype::DType;
+pub use entropy::Method;
+pub use error::{DeltaError, Result};
+
+#[cfg(test)]
+mod tests;
