@@ -69,6 +69,37 @@ impl Arg {
     }
 }
 
+/// `dst = op(dst, src)` element-wise with the core's SIMD kernels (for benchmarks and tests).
+#[pyfunction]
+pub fn reduce_into(
+    py: Python<'_>,
+    dst_ptr: usize,
+    src_ptr: usize,
+    nbytes: usize,
+    dtype: &str,
+    op: &str,
+) -> PyResult<()> {
+    let dtype = DType::from_name(dtype)
+        .map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
+    let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
+    if nbytes == 0 {
+        return Ok(());
+    }
+    if dst_ptr == 0 || src_ptr == 0 {
+        return Err(PyValueError::new_err("null buffer address"));
+    }
+    // SAFETY: the Python wrapper (mcp_fast._kernels) passes two live, C-contiguous arrays of
+    // `nbytes` bytes, the destination writable, and holds them during this call.
+    let (dst, src) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(dst_ptr as *mut u8, nbytes),
+            std::slice::from_raw_parts(src_ptr as *const u8, nbytes),
+        )
+    };
+    py.detach(|| mcp_core::reduce::reduce_into(dtype, op, dst, src))
+        .map_err(|e| to_py(py, e))
+}
+
 /// The ranks of one job, connected over QUIC with mutual TLS.
 #[pyclass(module = "mcp_fast._core", frozen)]
 pub struct ProcessGroup {

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::ProcessGroup>()?;
     m.add_class::<work::Work>()?;
+    m.add_function(wrap_pyfunction!(group::reduce_into, m)?)?;
     delta::register(m)?;
     m.add("PROTOCOL_MAJOR", mcp_core::wire::PROTOCOL_MAJOR)?;
     m.add("PROTOCOL_MINOR", mcp_core::wire::PROTOCOL_MINOR)?;

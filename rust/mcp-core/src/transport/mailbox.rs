@@ -194,11 +194,12 @@ impl Mailbox {
     pub fn fail_peer(&self, peer: usize, err: Error) {
         let mut inner = self.lock();
         inner.lost_peers.entry(peer).or_insert_with(|| err.clone());
+        // Frames that already arrived stay: the operation may still consume them.
         let keys: Vec<MsgKey> = inner
             .slots
-            .keys()
-            .filter(|k| k.src == peer)
-            .copied()
+            .iter()
+            .filter(|(k, s)| k.src == peer && matches!(s, Slot::Waiting(_)))
+            .map(|(k, _)| *k)
             .collect();
         for k in keys {
             if let Some(Slot::Waiting(tx)) = inner.slots.remove(&k) {
@@ -393,6 +394,27 @@ mod tests {
         mb.fail_peer(3, err.clone());
         assert_eq!(w.await.expect("join").err(), Some(err.clone()));
         assert_eq!(mb.recv(k).await.err(), Some(err));
+    }
+
+    #[tokio::test]
+    async fn frames_that_arrived_before_a_peer_left_are_still_delivered() {
+        let mb = Mailbox::new();
+        let (k, f) = frame(2, 4, 0);
+        mb.deliver(k, Ok(f));
+        mb.fail_peer(
+            2,
+            Error::PeerLost {
+                rank: 2,
+                op: "x".into(),
+                reason: "closed".into(),
+            },
+        );
+        assert!(
+            mb.recv(k).await.is_ok(),
+            "a frame received before the goodbye was dropped"
+        );
+        let (k1, _) = frame(2, 4, 1);
+        assert!(matches!(mb.recv(k1).await, Err(Error::PeerLost { .. })));
     }
 
     #[tokio::test]

@@ -73,6 +73,9 @@ impl QuicConfig {
 struct PeerSlot {
     conn: watch::Sender<Option<Connection>>,
     dial: tokio::sync::Mutex<()>,
+    /// Frames written to this peer; the goodbye carries the count so that the peer reads
+    /// every one of them before it lets go of us.
+    sent: AtomicU64,
 }
 
 /// Counters that tests and diagnostics read.
@@ -151,6 +154,7 @@ impl QuicTransport {
                 .map(|_| PeerSlot {
                     conn: watch::channel(None).0,
                     dial: tokio::sync::Mutex::new(()),
+                    sent: AtomicU64::new(0),
                 })
                 .collect(),
             mailbox: Mailbox::new(),
@@ -311,7 +315,7 @@ impl QuicTransport {
             });
         }
         let hello = rendezvous::hello_frame(self)?;
-        self.write_frame(&conn, &hello.0, &hello.1)
+        self.write_frame(peer, &conn, &hello.0, &hello.1)
             .await
             .map_err(|e| map_write(e, peer))?;
         self.register(peer, conn.clone());
@@ -321,6 +325,7 @@ impl QuicTransport {
 
     async fn write_frame(
         &self,
+        peer: usize,
         conn: &Connection,
         header: &Header,
         payload: &[u8],
@@ -345,6 +350,9 @@ impl QuicTransport {
         stream
             .finish()
             .map_err(|_| WriteFail::Conn(ConnectionError::LocallyClosed))?;
+        if let Some(slot) = self.peers.get(peer) {
+            slot.sent.fetch_add(1, Ordering::AcqRel);
+        }
         // Track the stream until the peer has it, so that close() does not discard it.
         self.unacked_streams.fetch_add(1, Ordering::AcqRel);
         let me = self.me.clone();
@@ -393,10 +401,10 @@ impl QuicTransport {
             .filter_map(|(p, s)| s.conn.borrow().clone().map(|c| (p, c)))
             .filter(|(_, c)| c.close_reason().is_none())
             .collect();
-        let payload: &[u8] = &[];
-        let header = rendezvous::goodbye_header(self);
-        for (_, c) in &conns {
-            let _ = self.write_frame(c, &header, payload).await;
+        for (p, c) in &conns {
+            let payload = self.peers[*p].sent.load(Ordering::Acquire).to_le_bytes();
+            let header = rendezvous::goodbye_header(self, &payload);
+            let _ = self.write_frame(*p, c, &header, &payload).await;
         }
         for (_, c) in &conns {
             let left = until
@@ -542,6 +550,7 @@ async fn accept_loop(me: Weak<QuicTransport>) {
 async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<usize>) {
     let known = Arc::new(Mutex::new(peer));
     let active = Arc::new(AtomicUsize::new(0));
+    let received = Arc::new(AtomicU64::new(0));
     let end = loop {
         match conn.accept_uni().await {
             Ok(stream) => {
@@ -549,9 +558,12 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
                 let conn = conn.clone();
                 let known = known.clone();
                 let active = active.clone();
+                let received = received.clone();
                 active.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
-                    if let Err(e) = read_stream(&me, &conn, stream, &known, &active).await {
+                    if let Err(e) =
+                        read_stream(&me, &conn, stream, &known, &active, &received).await
+                    {
                         if let Some(t) = me.upgrade() {
                             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
                             // A frame we cannot trust: say so to whoever waits on that peer.
@@ -577,11 +589,17 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
     }
 }
 
-/// The peer said goodbye: let the streams it sent before finish reading (they are all
-/// acknowledged, so they complete quickly), then fail later waits on it and close our side.
-async fn farewell(t: &QuicTransport, conn: &Connection, src: usize, active: &AtomicUsize) {
-    let until = Instant::now() + Duration::from_secs(5);
-    while active.load(Ordering::Acquire) > 1 && Instant::now() < until {
+/// The peer said goodbye after sending `expected` frames: wait until we have read them all
+/// (bounded), then fail later waits on it and close our side.
+async fn farewell(
+    t: &QuicTransport,
+    conn: &Connection,
+    src: usize,
+    expected: u64,
+    received: &AtomicU64,
+) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while received.load(Ordering::Acquire) < expected && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     t.mailbox.fail_peer(
@@ -601,6 +619,7 @@ async fn read_stream(
     mut stream: quinn::RecvStream,
     known: &Mutex<Option<usize>>,
     active: &AtomicUsize,
+    received: &AtomicU64,
 ) -> Result<()> {
     let mut fixed = [0u8; HEADER_FIXED];
     stream
@@ -646,7 +665,13 @@ async fn read_stream(
     match header.kind {
         FrameKind::Hello => t.register(src, conn.clone()),
         FrameKind::Goodbye => {
-            farewell(&t, conn, src, active).await;
+            // Our own reader is the only one left to count: everything else must be read.
+            let _ = active;
+            let mut n = [0u8; 8];
+            if payload.len() == 8 {
+                n.copy_from_slice(&payload);
+            }
+            farewell(&t, conn, src, u64::from_le_bytes(n), received).await;
             return Ok(());
         }
         _ => {}
@@ -661,6 +686,8 @@ async fn read_stream(
             t.mailbox.deliver(key, Err(e));
         }
     }
+    // Counted once filed, so that a goodbye never overtakes a frame it announced.
+    received.fetch_add(1, Ordering::AcqRel);
     Ok(())
 }
 
@@ -684,7 +711,7 @@ impl Transport for QuicTransport {
         payload: &'a [u8],
     ) -> Result<()> {
         let conn = self.conn(peer).await?;
-        self.write_frame(&conn, header, payload)
+        self.write_frame(peer, &conn, header, payload)
             .await
             .map_err(|e| map_write(e, peer))
     }

@@ -32,8 +32,8 @@ fn control_header(t: &QuicTransport, kind: FrameKind, payload: &[u8]) -> Header 
 }
 
 /// The Goodbye a closing process sends to each connected peer.
-pub(super) fn goodbye_header(t: &QuicTransport) -> Header {
-    control_header(t, FrameKind::Goodbye, &[])
+pub(super) fn goodbye_header(t: &QuicTransport, payload: &[u8]) -> Header {
+    control_header(t, FrameKind::Goodbye, payload)
 }
 
 /// The Hello a dialer sends first: its rank (as `src`), world size (as `aux`) and address.
