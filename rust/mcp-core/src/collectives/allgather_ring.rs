@@ -51,7 +51,7 @@ pub async fn allgather_ring<T: Transport>(
         for (j, c) in cs.iter().enumerate() {
             let data = ctx.recv(left, h as u32, j, c.len()).await?;
             // SAFETY: the only view of this chunk.
-            unsafe { out.slice_mut(c.clone()) }.copy_from_slice(&data);
+            data.copy_to(unsafe { out.slice_mut(c.clone()) })?;
             if h + 1 < w - 1 {
                 // SAFETY: the mutable view above has ended.
                 ctx.send(right, h as u32 + 1, j, cs.len(), unsafe {

@@ -8,7 +8,7 @@ use super::{chunks, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::reduce::{finish_avg, reduce_into};
+use crate::reduce::finish_avg;
 use crate::transport::Transport;
 use std::ops::Range;
 
@@ -51,7 +51,7 @@ pub async fn allreduce_recursive_doubling<T: Transport>(
             for (j, c) in cs.iter().enumerate() {
                 let data = ctx.recv(peer, step, j, c.len()).await?;
                 // SAFETY: the only view of this chunk.
-                reduce_into(dtype, op, unsafe { buf.slice_mut(c.clone()) }, &data)?;
+                data.reduce_into(dtype, op, unsafe { buf.slice_mut(c.clone()) })?;
             }
             Ok::<(), Error>(())
         }
@@ -63,7 +63,7 @@ pub async fn allreduce_recursive_doubling<T: Transport>(
             for (j, c) in cs.iter().enumerate() {
                 let data = ctx.recv(r + 1, RESULT_STEP, j, c.len()).await?;
                 // SAFETY: the only view of this chunk.
-                unsafe { buf.slice_mut(c.clone()) }.copy_from_slice(&data);
+                data.copy_to(unsafe { buf.slice_mut(c.clone()) })?;
             }
             return Ok(());
         }

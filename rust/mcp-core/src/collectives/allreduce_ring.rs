@@ -9,7 +9,7 @@ use super::{chunks, segments, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::reduce::{finish_avg, reduce_into};
+use crate::reduce::finish_avg;
 use crate::transport::Transport;
 
 /// All-reduces `buf` (elements of `dtype`) in place with the ring algorithm.
@@ -44,9 +44,9 @@ pub async fn allreduce_ring<T: Transport>(
                     // SAFETY: one view of this chunk at a time; the send above has returned.
                     let dst = unsafe { buf.slice_mut(c.clone()) };
                     if h < w - 1 {
-                        reduce_into(dtype, op, dst, &data)?;
+                        data.reduce_into(dtype, op, dst)?;
                     } else {
-                        dst.copy_from_slice(&data);
+                        data.copy_to(dst)?;
                     }
                 }
                 if h + 1 < hops {

@@ -7,7 +7,7 @@ use super::{broadcast::broadcast_steps, chunks, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::reduce::{finish_avg, reduce_into};
+use crate::reduce::finish_avg;
 use crate::transport::Transport;
 
 /// All-reduces `buf` in place with a binomial tree rooted at rank 0.
@@ -37,7 +37,7 @@ pub async fn allreduce_tree<T: Transport>(
             for (j, c) in cs.iter().enumerate() {
                 let data = ctx.recv(r + mask, level, j, c.len()).await?;
                 // SAFETY: the only view of this chunk.
-                reduce_into(dtype, op, unsafe { buf.slice_mut(c.clone()) }, &data)?;
+                data.reduce_into(dtype, op, unsafe { buf.slice_mut(c.clone()) })?;
             }
         }
         mask <<= 1;

@@ -54,7 +54,7 @@ pub(crate) async fn broadcast_steps<T: Transport>(
         if let Some(p) = parent {
             let data = ctx.recv(p, step_base, j, c.len()).await?;
             // SAFETY: the only view of this chunk.
-            unsafe { buf.slice_mut(c.clone()) }.copy_from_slice(&data);
+            data.copy_to(unsafe { buf.slice_mut(c.clone()) })?;
         }
         for &child in &children {
             // SAFETY: no mutable view of this chunk is alive.

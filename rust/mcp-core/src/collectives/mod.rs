@@ -25,7 +25,7 @@ pub use p2p::{recv, send};
 pub use reduce_scatter_ring::reduce_scatter_ring;
 
 use crate::error::{Error, Result};
-use crate::transport::{Lane, MsgKey, Transport};
+use crate::transport::{Lane, MsgKey, Payload, Transport};
 use crate::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
 use std::ops::Range;
 use tokio::time::Instant;
@@ -102,7 +102,7 @@ impl<T: Transport> OpCtx<'_, T> {
         step: u32,
         chunk: usize,
         expect_len: usize,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<Payload> {
         let key = MsgKey {
             src: peer,
             lane: self.lane(),

@@ -32,7 +32,7 @@ pub async fn recv<T: Transport>(
     for (j, c) in cs.iter().enumerate() {
         let data = ctx.recv(peer, 0, j, c.len()).await?;
         // SAFETY: the only view of this chunk.
-        unsafe { buf.slice_mut(c.clone()) }.copy_from_slice(&data);
+        data.copy_to(unsafe { buf.slice_mut(c.clone()) })?;
     }
     Ok(())
 }

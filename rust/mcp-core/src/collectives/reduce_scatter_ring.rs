@@ -47,7 +47,7 @@ pub async fn reduce_scatter_ring<T: Transport>(
             let s = (r + 2 * w - h - 2) % w;
             let cs = &block_chunks[s];
             for (j, c) in cs.iter().enumerate() {
-                let mut data = ctx.recv(left, h as u32, j, c.len()).await?;
+                let mut data = ctx.recv(left, h as u32, j, c.len()).await?.to_vec();
                 // SAFETY: the input is only read.
                 reduce_into(dtype, op, &mut data, unsafe { input.slice(c.clone()) })?;
                 if h + 1 < w - 1 {

@@ -16,7 +16,7 @@ pub struct Frame {
     /// The decoded header.
     pub header: Header,
     /// The payload bytes.
-    pub payload: Vec<u8>,
+    pub payload: super::Payload,
 }
 
 /// Which sequence space a message belongs to.
@@ -148,7 +148,7 @@ impl Mailbox {
         let src = frame.header.src as usize;
         match frame.header.kind {
             FrameKind::Abort => {
-                let (lane, err) = decode_abort(src, &frame.payload);
+                let (lane, err) = decode_abort(src, &frame.payload.to_vec());
                 self.abort(lane, frame.header.seq, err);
             }
             FrameKind::Goodbye => self.fail_peer(
@@ -361,7 +361,7 @@ mod tests {
             MsgKey::of(&header),
             Frame {
                 header,
-                payload: vec![],
+                payload: vec![].into(),
             },
         )
     }

@@ -2,9 +2,9 @@
 //! the receiver's mailbox. With [`MemChaos`] it delays (and so reorders) and corrupts frames
 //! from a seed, which is how `cargo test` runs every collective against a bad network.
 
-use super::{Frame, Mailbox, MsgKey, Transport};
+use super::{Frame, Mailbox, MsgKey, Payload, Transport};
 use crate::error::{Error, Result};
-use crate::wire::{verify_payload, Header};
+use crate::wire::Header;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::{Arc, Mutex, Weak};
@@ -55,7 +55,8 @@ pub fn network(world: usize, chaos: Option<MemChaos>) -> Vec<Arc<MemTransport>> 
 
 fn deliver(to: &Mailbox, header: Header, payload: Vec<u8>) {
     let key = MsgKey::of(&header);
-    match verify_payload(&header, &payload) {
+    let payload = Payload::from(payload);
+    match payload.verify(&header) {
         Ok(()) => to.dispatch(Frame { header, payload }),
         Err(e) => to.deliver(key, Err(e)),
     }

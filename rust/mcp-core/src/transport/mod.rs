@@ -6,9 +6,11 @@
 
 mod mailbox;
 pub mod mem;
+mod payload;
 pub mod quic;
 
 pub use mailbox::{decode_abort, encode_abort, Frame, Lane, Mailbox, MsgKey};
+pub use payload::Payload;
 
 use crate::error::Result;
 use crate::wire::Header;

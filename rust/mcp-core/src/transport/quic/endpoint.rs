@@ -1,5 +1,10 @@
-//! Sockets and QUIC settings: large windows and buffers so that one connection can carry a
-//! gradient at the speed of the link, and a large MTU on loopback.
+//! Sockets and QUIC settings.
+//!
+//! Measured on loopback (see the README): the kernel drops datagrams once the receive buffer
+//! is full, and QUIC reads each drop as congestion. So the flow-control window is sized from
+//! the socket buffer the kernel actually granted, which keeps what is in flight below what the
+//! socket can hold; on loopback we also use 64 KiB datagrams (MTU discovery climbs to them)
+//! without segmentation offload, whose 64 KiB-per-call limit they would break.
 
 use super::tls::Identity;
 use super::QuicConfig;
@@ -10,27 +15,53 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Socket buffer we ask the kernel for (it may grant less).
-const SOCKET_BUFFER: usize = 16 << 20;
+/// Socket buffer we ask the kernel for (root may exceed `net.core.rmem_max`).
+const SOCKET_BUFFER: usize = 32 << 20;
+/// Flow-control window bounds.
+const MIN_WINDOW: u32 = 256 << 10;
+const MAX_WINDOW: u32 = 64 << 20;
+/// Datagram payload on loopback.
+const LOOPBACK_MTU: u16 = 65_000;
 
-fn transport_config(cfg: &QuicConfig, loopback: bool) -> Result<TransportConfig> {
+/// A bound UDP socket and what the kernel granted it.
+pub(super) struct BoundSocket {
+    socket: UdpSocket,
+    /// Receive buffer in bytes as the kernel reports it (it counts its own overhead).
+    recv_buffer: usize,
+    loopback: bool,
+}
+
+impl BoundSocket {
+    /// The flow-control window this socket can absorb without drops.
+    fn window(&self) -> u32 {
+        let w = (self.recv_buffer / 2).min(MAX_WINDOW as usize) as u32;
+        w.max(MIN_WINDOW)
+    }
+}
+
+fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportConfig> {
     let mut t = TransportConfig::default();
     t.max_concurrent_uni_streams(VarInt::from_u32(16_384));
     t.max_concurrent_bidi_streams(VarInt::from_u32(16));
-    t.stream_receive_window(VarInt::from_u32(64 << 20));
-    t.receive_window(VarInt::from_u32(1 << 30));
-    t.send_window(1 << 30);
+    let window = sock.window();
+    t.stream_receive_window(VarInt::from_u32(window));
+    t.receive_window(VarInt::from_u32(window));
+    t.send_window(u64::from(window) * 4);
     let idle = IdleTimeout::try_from(cfg.idle_timeout).map_err(|_| {
         Error::InvalidArgument(format!("idle timeout {:?} is too large", cfg.idle_timeout))
     })?;
     t.max_idle_timeout(Some(idle));
     t.keep_alive_interval(Some((cfg.idle_timeout / 4).max(Duration::from_millis(100))));
-    if loopback {
-        // Loopback carries 64 KiB datagrams: fewer packets, far less per-packet work. The
-        // handshake starts at the default MTU and discovery climbs within a few round trips.
+    // Collectives send a burst and then wait for the answer: a delayed ACK (25 ms by
+    // default) stalls every burst that ends on an odd packet, so ask peers to ACK promptly.
+    let mut ack = quinn::AckFrequencyConfig::default();
+    ack.max_ack_delay(Some(Duration::from_millis(1)));
+    t.ack_frequency_config(Some(ack));
+    if sock.loopback {
         let mut mtu = quinn::MtuDiscoveryConfig::default();
-        mtu.upper_bound(65_000);
+        mtu.upper_bound(LOOPBACK_MTU);
         t.mtu_discovery_config(Some(mtu));
+        t.enable_segmentation_offload(false);
     }
     Ok(t)
 }
@@ -40,15 +71,13 @@ pub(super) fn client_config(
     id: &Identity,
     alpns: Vec<Vec<u8>>,
     cfg: &QuicConfig,
+    sock: &BoundSocket,
 ) -> Result<quinn::ClientConfig> {
     let tls = id.client_config(alpns)?;
     let quic = QuicClientConfig::try_from(tls)
         .map_err(|e| Error::Io(format!("QUIC client config: {e}")))?;
     let mut c = quinn::ClientConfig::new(Arc::new(quic));
-    c.transport_config(Arc::new(transport_config(
-        cfg,
-        cfg.master.ip().is_loopback(),
-    )?));
+    c.transport_config(Arc::new(transport_config(cfg, sock)?));
     Ok(c)
 }
 
@@ -57,31 +86,52 @@ pub(super) fn server_config(
     id: &Identity,
     alpns: Vec<Vec<u8>>,
     cfg: &QuicConfig,
+    sock: &BoundSocket,
 ) -> Result<quinn::ServerConfig> {
     let tls = id.server_config(alpns)?;
     let quic = QuicServerConfig::try_from(tls)
         .map_err(|e| Error::Io(format!("QUIC server config: {e}")))?;
     let mut s = quinn::ServerConfig::with_crypto(Arc::new(quic));
-    s.transport_config(Arc::new(transport_config(
-        cfg,
-        cfg.master.ip().is_loopback(),
-    )?));
+    s.transport_config(Arc::new(transport_config(cfg, sock)?));
     Ok(s)
 }
 
-/// Binds a UDP socket at `addr` with large buffers and makes an endpoint of it.
-pub(super) fn bind(
-    addr: SocketAddr,
-    server: quinn::ServerConfig,
-    is_master: bool,
-) -> Result<Endpoint> {
+/// Asks for a large buffer with SO_RCVBUFFORCE/SO_SNDBUFFORCE (allowed to root), falling
+/// back to the ordinary options, which the kernel caps at `net.core.[rw]mem_max`.
+fn grow_buffers(socket: &socket2::Socket) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let size = SOCKET_BUFFER as libc::c_int;
+        for opt in [libc::SO_RCVBUFFORCE, libc::SO_SNDBUFFORCE] {
+            // SAFETY: a valid socket descriptor, a pointer to a c_int and its size.
+            unsafe {
+                libc::setsockopt(
+                    socket.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+            }
+        }
+    }
+    if socket.recv_buffer_size().unwrap_or(0) < SOCKET_BUFFER {
+        let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
+    }
+    if socket.send_buffer_size().unwrap_or(0) < SOCKET_BUFFER {
+        let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
+    }
+}
+
+/// Binds a UDP socket at `addr` with buffers as large as the kernel allows.
+pub(super) fn bind_socket(addr: SocketAddr, is_master: bool) -> Result<BoundSocket> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::DGRAM,
         Some(socket2::Protocol::UDP),
     )?;
-    let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
-    let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
+    grow_buffers(&socket);
     socket.bind(&addr.into()).map_err(|e| {
         if is_master {
             Error::Io(format!(
@@ -91,14 +141,23 @@ pub(super) fn bind(
             Error::Io(format!("cannot bind {addr}: {e}"))
         }
     })?;
-    let socket: UdpSocket = socket.into();
+    let recv_buffer = socket.recv_buffer_size().unwrap_or(MIN_WINDOW as usize * 2);
+    Ok(BoundSocket {
+        socket: socket.into(),
+        recv_buffer,
+        loopback: addr.ip().is_loopback(),
+    })
+}
+
+/// Makes the QUIC endpoint of a bound socket.
+pub(super) fn endpoint(sock: BoundSocket, server: quinn::ServerConfig) -> Result<Endpoint> {
     let mut ep_cfg = EndpointConfig::default();
     ep_cfg
         .max_udp_payload_size(65_527)
         .map_err(|e| Error::Io(format!("endpoint config: {e}")))?;
     let runtime =
         quinn::default_runtime().ok_or_else(|| Error::Io("no async runtime for QUIC".into()))?;
-    Ok(Endpoint::new(ep_cfg, Some(server), socket, runtime)?)
+    Ok(Endpoint::new(ep_cfg, Some(server), sock.socket, runtime)?)
 }
 
 /// The local address the kernel would use to reach `target` (no packet is sent).
@@ -107,13 +166,9 @@ pub(super) fn local_ip_towards(target: SocketAddr) -> Result<IpAddr> {
         return Ok(target.ip());
     }
     let any: SocketAddr = if target.is_ipv4() {
-        "0.0.0.0:0"
-            .parse()
-            .map_err(|_| Error::Io("bad address".into()))?
+        SocketAddr::from(([0, 0, 0, 0], 0))
     } else {
-        "[::]:0"
-            .parse()
-            .map_err(|_| Error::Io("bad address".into()))?
+        SocketAddr::from(([0u16; 8], 0))
     };
     let probe = UdpSocket::bind(any)?;
     probe

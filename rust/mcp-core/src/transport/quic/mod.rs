@@ -6,12 +6,10 @@ mod endpoint;
 mod rendezvous;
 pub mod tls;
 
-use super::{Frame, Mailbox, MsgKey, Transport};
+use super::{Frame, Mailbox, MsgKey, Payload, Transport};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
-use crate::wire::{
-    verify_payload, FrameKind, Header, HEADER_FIXED, PROTOCOL_MAJOR, PROTOCOL_MINOR,
-};
+use crate::wire::{FrameKind, Header, HEADER_FIXED, PROTOCOL_MAJOR, PROTOCOL_MINOR};
 use quinn::{Connection, ConnectionError, Endpoint, VarInt};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -124,21 +122,22 @@ impl QuicTransport {
             None => (rendezvous::fetch_secret(&cfg, deadline).await?, false),
         };
         let identity = tls::Identity::from_secret(&secret)?;
-        let mut alpns = vec![
-            tls::alpn_for(cfg.protocol_major),
-            tls::ALPN_FALLBACK.to_vec(),
-        ];
-        let client_cfg = endpoint::client_config(&identity, alpns.clone(), &cfg)?;
-        if generated {
-            alpns.push(tls::ALPN_BOOTSTRAP.to_vec());
-        }
-        let server_cfg = endpoint::server_config(&identity, alpns, &cfg)?;
         let bind = if cfg.rank == 0 {
             cfg.master
         } else {
             SocketAddr::new(endpoint::local_ip_towards(cfg.master)?, 0)
         };
-        let ep = endpoint::bind(bind, server_cfg, cfg.rank == 0)?;
+        let sock = endpoint::bind_socket(bind, cfg.rank == 0)?;
+        let mut alpns = vec![
+            tls::alpn_for(cfg.protocol_major),
+            tls::ALPN_FALLBACK.to_vec(),
+        ];
+        let client_cfg = endpoint::client_config(&identity, alpns.clone(), &cfg, &sock)?;
+        if generated {
+            alpns.push(tls::ALPN_BOOTSTRAP.to_vec());
+        }
+        let server_cfg = endpoint::server_config(&identity, alpns, &cfg, &sock)?;
+        let ep = endpoint::endpoint(sock, server_cfg)?;
         let world = cfg.world_size;
         let t = Arc::new_cyclic(|me| QuicTransport {
             rank: cfg.rank,
@@ -196,6 +195,17 @@ impl QuicTransport {
             .borrow()
             .as_ref()
             .map(|c| c.rtt())
+    }
+
+    /// Path statistics of the connection to `peer` (RTT, congestion window, MTU, packets
+    /// lost and sent), if connected.
+    pub fn path_stats(&self, peer: usize) -> Option<quinn::PathStats> {
+        self.peers
+            .get(peer)?
+            .conn
+            .borrow()
+            .as_ref()
+            .map(|c| c.stats().path)
     }
 
     fn register(&self, peer: usize, conn: Connection) {
@@ -640,13 +650,24 @@ async fn read_stream(
             header.payload_len
         )));
     }
-    let mut payload = vec![0u8; header.payload_len as usize];
-    stream.read_exact(&mut payload).await.map_err(|e| {
-        Error::Protocol(format!(
-            "reading a {}-byte payload: {e}",
-            header.payload_len
-        ))
-    })?;
+    // The payload stays in the pieces QUIC delivered: no copy, no fresh zeroed buffer.
+    let mut payload = Payload::new();
+    let mut left = header.payload_len as usize;
+    while left > 0 {
+        match stream.read_chunk(left, true).await {
+            Ok(Some(chunk)) => {
+                left = left.saturating_sub(chunk.bytes.len());
+                payload.push(chunk.bytes);
+            }
+            Ok(None) => break,
+            Err(e) => {
+                return Err(Error::Protocol(format!(
+                    "reading a {}-byte payload: {e}",
+                    header.payload_len
+                )))
+            }
+        }
+    }
     let Some(t) = me.upgrade() else { return Ok(()) };
     t.stats.frames_received.fetch_add(1, Ordering::Relaxed);
     let src = header.src as usize;
@@ -669,7 +690,7 @@ async fn read_stream(
             let _ = active;
             let mut n = [0u8; 8];
             if payload.len() == 8 {
-                n.copy_from_slice(&payload);
+                n.copy_from_slice(&payload.to_vec());
             }
             farewell(&t, conn, src, u64::from_le_bytes(n), received).await;
             return Ok(());
@@ -677,7 +698,7 @@ async fn read_stream(
         _ => {}
     }
     let key = MsgKey::of(&header);
-    match verify_payload(&header, &payload) {
+    match payload.verify(&header) {
         Ok(()) => {
             t.mailbox.dispatch(Frame { header, payload });
         }

@@ -84,7 +84,7 @@ pub(super) async fn run(t: &Arc<QuicTransport>, deadline: Instant) -> Result<()>
                 }
                 return Err(Error::InvalidArgument(reason));
             }
-            addrs.push(String::from_utf8_lossy(&frame.payload).into_owned());
+            addrs.push(String::from_utf8_lossy(&frame.payload.to_vec()).into_owned());
         }
         let table = addrs.join("\n").into_bytes();
         let header = control_header(t, FrameKind::Table, &table);
@@ -111,7 +111,7 @@ pub(super) async fn run(t: &Arc<QuicTransport>, deadline: Instant) -> Result<()>
                     })
                 }
             };
-        let text = String::from_utf8_lossy(&frame.payload).into_owned();
+        let text = String::from_utf8_lossy(&frame.payload.to_vec()).into_owned();
         let addrs: Vec<String> = text.lines().map(str::to_string).collect();
         if addrs.len() != t.world {
             return Err(Error::Protocol(format!(
