@@ -7,7 +7,6 @@
 //! bf16 is the correctly rounded result.
 
 use crate::error::{Error, Result};
-use half::bf16;
 
 pub(super) fn encode_f32(src: &[f32], out: &mut Vec<u8>) {
     let base = out.len();
@@ -48,7 +47,9 @@ impl<'a> Decoder<'a> {
     pub(super) fn next_f64(&mut self, out: &mut [f64]) {
         let (now, rest) = self.rest.split_at(2 * out.len());
         for (o, b) in out.iter_mut().zip(now.chunks_exact(2)) {
-            *o = f64::from(f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16));
+            *o = f64::from(f32::from_bits(
+                u32::from(u16::from_le_bytes([b[0], b[1]])) << 16,
+            ));
         }
         self.rest = rest;
     }
@@ -115,6 +116,7 @@ pub(super) fn widen(src: &[u8], dst: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     #[test]
     fn narrowing_matches_half_reference_on_a_sweep_of_all_bit_patterns() {
@@ -169,7 +171,12 @@ mod tests {
     #[test]
     fn f64_rounds_correctly_without_double_rounding() {
         // Just above the bf16 midpoint between 1 and 1 + 2^-7.
-        let x = [1.0 + 2f64.powi(-8) + 2f64.powi(-40), 1.0 + 2f64.powi(-8), f64::MAX, -0.0];
+        let x = [
+            1.0 + 2f64.powi(-8) + 2f64.powi(-40),
+            1.0 + 2f64.powi(-8),
+            f64::MAX,
+            -0.0,
+        ];
         let mut out = Vec::new();
         encode_f64(&x, &mut out);
         let mut back = [0f64; 4];

@@ -57,7 +57,11 @@ impl ErrorFeedback {
             residual.clear();
             residual.resize(src.len(), 0.0);
         }
-        let adjusted: Vec<f32> = src.iter().zip(residual.iter()).map(|(x, r)| x + r).collect();
+        let adjusted: Vec<f32> = src
+            .iter()
+            .zip(residual.iter())
+            .map(|(x, r)| x + r)
+            .collect();
         let start = out.len();
         encode(kind, DType::F32, bytemuck::cast_slice(&adjusted), out)?;
         // Decode into the residual's storage, then turn it into the difference.
@@ -157,7 +161,10 @@ mod tests {
             assert!(with <= 1.0, "{kind:?}: drift {with} steps with feedback");
             // The test can fail: without feedback the same run drifts by many steps.
             let without = drift(kind, false, 1000);
-            assert!(without > 2.0, "{kind:?}: drift {without} steps without feedback");
+            assert!(
+                without > 2.0,
+                "{kind:?}: drift {without} steps without feedback"
+            );
         }
     }
 

@@ -9,7 +9,6 @@
 //! so rounds ties wrongly).
 
 use crate::error::{Error, Result};
-use half::f16;
 
 pub(super) fn encode_f32(src: &[f32], out: &mut Vec<u8>) {
     let base = out.len();
@@ -174,6 +173,7 @@ pub(super) unsafe fn widen_f16c(src: &[u8], dst: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
 
     /// f32 values that probe every rounding case: each f16 value, the midpoints between
     /// neighbours and one ulp either side, the overflow edge, specials, and a stride through
@@ -188,7 +188,11 @@ mod tests {
             }
             let b = f16::from_bits(h.wrapping_add(1)).to_f32();
             let bits = a.to_bits();
-            v.extend([a, f32::from_bits(bits + 1), f32::from_bits(bits.saturating_sub(1))]);
+            v.extend([
+                a,
+                f32::from_bits(bits + 1),
+                f32::from_bits(bits.saturating_sub(1)),
+            ]);
             if b.is_finite() && b.abs() > a.abs() {
                 let mid = ((a as f64 + b as f64) / 2.0) as f32; // exact: f16 mids fit f32
                 let m = mid.to_bits();
@@ -211,7 +215,11 @@ mod tests {
             f32::from_bits(0xFFC1_2345),
             f32::from_bits(0x7FBF_FFFF),
         ]);
-        v.extend((0..(1u64 << 32)).step_by(65_537).map(|b| f32::from_bits(b as u32)));
+        v.extend(
+            (0..(1u64 << 32))
+                .step_by(65_537)
+                .map(|b| f32::from_bits(b as u32)),
+        );
         v
     }
 
@@ -283,7 +291,9 @@ mod tests {
         let mut out = Vec::new();
         encode_f64(x, &mut out);
         let mut back = vec![0f64; x.len()];
-        Decoder::new(&out, x.len()).expect("length").next_f64(&mut back);
+        Decoder::new(&out, x.len())
+            .expect("length")
+            .next_f64(&mut back);
         back
     }
 
@@ -292,7 +302,10 @@ mod tests {
         // 1 + 2^-11 + 2^-40 is just above the f16 midpoint: rounding through f32 by nearest
         // would land on the midpoint and round to even (1.0); correct rounding gives 1 + 2^-10.
         let x = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
-        assert_eq!(encode_decode_f64(&[x, -x]), vec![1.0 + 2f64.powi(-10), -1.0 - 2f64.powi(-10)]);
+        assert_eq!(
+            encode_decode_f64(&[x, -x]),
+            vec![1.0 + 2f64.powi(-10), -1.0 - 2f64.powi(-10)]
+        );
         // Exact f32 inputs give the f32 path's bits.
         let p: Vec<f64> = probes().into_iter().map(f64::from).collect();
         let mut a = Vec::new();
@@ -310,7 +323,10 @@ mod tests {
             let h = f16::from_f64(r);
             for nb in [h.to_bits().wrapping_add(1), h.to_bits().wrapping_sub(1)] {
                 let other = f16::from_bits(nb).to_f64();
-                assert!((x - r).abs() <= (x - other).abs() || other.is_nan(), "{x} -> {r}");
+                assert!(
+                    (x - r).abs() <= (x - other).abs() || other.is_nan(),
+                    "{x} -> {r}"
+                );
             }
         }
         let nan = encode_decode_f64(&[f64::NAN, f64::INFINITY, -1e300, 1e-300])
@@ -318,6 +334,9 @@ mod tests {
             .map(|v| v.to_bits())
             .collect::<Vec<_>>();
         assert!(f64::from_bits(nan[0]).is_nan());
-        assert_eq!(&nan[1..], &[f64::INFINITY.to_bits(), f64::NEG_INFINITY.to_bits(), 0]);
+        assert_eq!(
+            &nan[1..],
+            &[f64::INFINITY.to_bits(), f64::NEG_INFINITY.to_bits(), 0]
+        );
     }
 }

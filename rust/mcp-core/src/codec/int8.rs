@@ -276,7 +276,13 @@ mod tests {
     #[test]
     fn error_is_within_half_a_step_per_block() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        for (block, n) in [(1usize, 5usize), (7, 1000), (256, 4099), (4096, 10_000), (100_000, 300)] {
+        for (block, n) in [
+            (1usize, 5usize),
+            (7, 1000),
+            (256, 4099),
+            (4096, 10_000),
+            (100_000, 300),
+        ] {
             let x: Vec<f32> = (0..n)
                 .map(|i| {
                     let mag = 10f32.powi(rng.random_range(-8..4));

@@ -330,7 +330,9 @@ mod tests {
 
     #[test]
     fn corrupt_payloads_are_protocol_errors() {
-        let src: Vec<u8> = (0..1000u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let src: Vec<u8> = (0..1000u32)
+            .flat_map(|i| (i as f32).to_le_bytes())
+            .collect();
         let mut enc = Vec::new();
         encode(DType::F32, &src, &mut enc).expect("encode");
         let run = |e: &[u8], n: usize| decode_chunks(DType::F32, e, n, |_, _| Ok(()));

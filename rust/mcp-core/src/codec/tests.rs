@@ -67,9 +67,15 @@ fn unsupported_pairs_are_invalid_arguments() {
         (CodecKind::Int8 { block: 0 }, DType::F32),
     ] {
         let e = encode(kind, dtype, &[0u8; 8], &mut out);
-        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{kind:?} {dtype}");
+        assert!(
+            matches!(e, Err(Error::InvalidArgument(_))),
+            "{kind:?} {dtype}"
+        );
         let e = decode(kind, dtype, &[0u8; 8], &mut [0u8; 8]);
-        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{kind:?} {dtype}");
+        assert!(
+            matches!(e, Err(Error::InvalidArgument(_))),
+            "{kind:?} {dtype}"
+        );
     }
     assert!(matches!(
         encode(CodecKind::None, DType::F32, &[0u8; 7], &mut out),
@@ -90,7 +96,10 @@ fn every_supported_pair_round_trips_within_its_bound_and_length() {
                 encode(kind, dtype, &src, &mut enc).expect("encode");
                 assert_eq!(enc[0], 0xAA);
                 let enc = &enc[1..];
-                assert!(enc.len() <= max_encoded_len(kind, dtype, n), "{kind:?} {dtype}");
+                assert!(
+                    enc.len() <= max_encoded_len(kind, dtype, n),
+                    "{kind:?} {dtype}"
+                );
                 // Decode into an unaligned buffer as well as an aligned one.
                 let mut backing = vec![0u8; src.len() + 1];
                 decode(kind, dtype, enc, &mut backing[1..]).expect("decode");
@@ -112,10 +121,7 @@ fn every_supported_pair_round_trips_within_its_bound_and_length() {
                 };
                 let to_f64 = |b: &[u8]| -> Vec<f64> {
                     match dtype {
-                        DType::F32 => pod_vec::<f32>(b)
-                            .into_iter()
-                            .map(f64::from)
-                            .collect(),
+                        DType::F32 => pod_vec::<f32>(b).into_iter().map(f64::from).collect(),
                         _ => pod_vec::<f64>(b),
                     }
                 };
@@ -174,9 +180,22 @@ fn decode_reduce_equals_decode_then_reduce_into() {
 #[test]
 fn decode_reduce_refuses_avg_on_integers_and_bad_lengths_untouched() {
     let mut dst = vec![1u8; 16];
-    assert!(decode_reduce(CodecKind::None, DType::I32, ReduceOp::Avg, &[0; 16], &mut dst).is_err());
+    assert!(decode_reduce(
+        CodecKind::None,
+        DType::I32,
+        ReduceOp::Avg,
+        &[0; 16],
+        &mut dst
+    )
+    .is_err());
     let mut enc = Vec::new();
-    encode(CodecKind::Int8 { block: 2 }, DType::F32, &[0u8; 16], &mut enc).expect("encode");
+    encode(
+        CodecKind::Int8 { block: 2 },
+        DType::F32,
+        &[0u8; 16],
+        &mut enc,
+    )
+    .expect("encode");
     let r = decode_reduce(
         CodecKind::Int8 { block: 2 },
         DType::F32,
