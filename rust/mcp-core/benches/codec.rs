@@ -56,7 +56,7 @@ fn main() {
     let mut out = vec![0f32; N];
     println!(
         "codec throughput, one core, {} MiB of f32 gradients (GB/s of f32 data)",
-        N * 4 >> 20
+        (N * 4) >> 20
     );
     println!(
         "{:<14} {:>8} {:>9} {:>9} {:>14}",

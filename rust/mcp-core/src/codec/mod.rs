@@ -174,9 +174,11 @@ fn plan(kind: CodecKind, dtype: DType) -> Result<Plan> {
                 }
             )))
         }
-        (CodecKind::Int8 { .. }, _) => return Err(Error::InvalidArgument(format!(
+        (CodecKind::Int8 { .. }, _) => {
+            return Err(Error::InvalidArgument(format!(
             "codec int8 codes float32 tensors, not {dtype}; cast first or use fp16/bf16/lossless"
-        ))),
+        )))
+        }
     })
 }
 
