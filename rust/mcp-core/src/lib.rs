@@ -9,6 +9,7 @@
 
 pub mod backoff;
 pub mod buffer;
+pub mod codec;
 pub mod collectives;
 pub mod delta;
 pub mod dtype;
