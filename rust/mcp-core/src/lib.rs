@@ -14,6 +14,7 @@ pub mod collectives;
 pub mod delta;
 pub mod dtype;
 pub mod error;
+pub mod fec;
 pub mod group;
 pub mod reduce;
 pub mod transport;

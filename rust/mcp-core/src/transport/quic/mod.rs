@@ -2,6 +2,7 @@
 //! pair of ranks that talk (made when first needed, by the higher rank), one unidirectional
 //! stream per frame, so that chunks travel side by side and never wait behind each other.
 
+pub mod chaos;
 mod endpoint;
 mod rendezvous;
 pub mod tls;
