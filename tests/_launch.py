@@ -35,6 +35,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def plain(obj: Any) -> Any:
+    """Torch tensors become numpy arrays (a tensor sent through a queue would be shared
+    memory that vanishes with its process); containers are converted recursively."""
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "numpy"):
+        t = obj.detach().cpu()
+        return t.float().numpy() if str(t.dtype) == "torch.bfloat16" else t.numpy()
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj)
+    return obj
+
+
 def _child(fn_name: str, rank: int, world: int, port: int, args: tuple, env: dict, q: Any) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -45,11 +58,12 @@ def _child(fn_name: str, rank: int, world: int, port: int, args: tuple, env: dic
             "MASTER_PORT": str(port),
         }
     )
-    import workers
+    import importlib
 
+    module, _, fn = fn_name.rpartition(".")
     try:
-        result = getattr(workers, fn_name)(rank, world, *args)
-        q.put((rank, "ok", result))
+        result = getattr(importlib.import_module(module or "workers"), fn)(rank, world, *args)
+        q.put((rank, "ok", plain(result)))
     except BaseException as e:
         attrs = {k: v for k, v in vars(e).items() if isinstance(v, (int, float, str, type(None)))}
         mro = [c.__name__ for c in type(e).__mro__]

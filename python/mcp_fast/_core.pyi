@@ -1,6 +1,6 @@
 """Type stubs of the Rust extension module (rust/mcp-py)."""
 
-from collections.abc import Buffer
+from collections.abc import Buffer, Callable
 from typing import Any
 
 PROTOCOL_MAJOR: int
@@ -29,6 +29,7 @@ class ProcessGroup:
         chunk_bytes: int = 1048576,
         small_bytes: int = 65536,
         protocol_major: int | None = None,
+        on_bound: Callable[[str], None] | None = None,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

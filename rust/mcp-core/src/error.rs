@@ -58,6 +58,32 @@ pub enum Error {
     Closed(String),
 }
 
+impl Error {
+    /// The same error, reported for operation `seq`, which completed here but failed on
+    /// another rank.
+    pub fn earlier(self, seq: u64) -> Error {
+        let note = |m: String| {
+            format!("operation #{seq}, which completed on this rank, failed on another rank: {m}")
+        };
+        match self {
+            Error::SpecMismatch(m) => Error::SpecMismatch(note(m)),
+            Error::PeerLost { rank, op, reason } => Error::PeerLost {
+                rank,
+                op,
+                reason: note(reason),
+            },
+            Error::Timeout { what, after } => Error::Timeout {
+                what: note(what),
+                after,
+            },
+            Error::InvalidArgument(m) => Error::InvalidArgument(note(m)),
+            Error::Protocol(m) => Error::Protocol(note(m)),
+            Error::Io(m) => Error::Io(note(m)),
+            other => other,
+        }
+    }
+}
+
 /// Shorthand used throughout the core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

@@ -218,11 +218,35 @@ impl<T: Transport> Group<T> {
             timeout: inner.cfg.timeout,
             chunk_bytes: inner.cfg.chunk_bytes,
         };
+        if lane == Lane::Collective {
+            if let Some((earlier, e)) = inner.t.mailbox().take_earlier_remote_abort(lane, seq) {
+                // An operation that completed here failed on another rank (a broadcast root
+                // finishes before any receiver can object): report it now, not never.
+                let e = e.earlier(earlier);
+                return Box::pin(async move { Err(e) });
+            }
+        }
         Box::pin(async move {
-            let res = body(inner.clone(), owned).await;
+            let mut res = body(inner.clone(), owned).await;
             let mb = inner.t.mailbox();
+            if let Some(remote) = mb.take_remote_abort(lane, seq) {
+                if res.is_ok() {
+                    res = Err(remote);
+                }
+            }
+            if res.is_err() && lane == Lane::Collective {
+                // A failure here may only be the echo of an earlier one elsewhere (a peer that
+                // left after reporting it): report the root cause.
+                if let Some((earlier, e)) = mb.take_earlier_remote_abort(lane, seq) {
+                    res = Err(e.earlier(earlier));
+                }
+            }
             if let Err(e) = &res {
-                if mb.abort(lane, seq, e.clone()) {
+                mb.abort(lane, seq, e.clone());
+                // Every rank that fails tells every peer, even when it learnt of the failure
+                // from one: a peer that the first reporter could not reach still hears of it
+                // (peers ignore repeats), so no rank waits for the timeout.
+                if !matches!(e, Error::Closed(_)) {
                     let inner2 = inner.clone();
                     let err = e.clone();
                     inner.aborts_in_flight.fetch_add(1, Ordering::AcqRel);
@@ -446,7 +470,7 @@ impl<T: Transport> Group<T> {
     /// (so that they fail fast rather than time out), and tells the peers goodbye.
     pub async fn close(&self) {
         if !self.inner.closed.swap(true, Ordering::AcqRel) {
-            let until = tokio::time::Instant::now() + Duration::from_secs(3);
+            let until = tokio::time::Instant::now() + ABORT_SEND_TIMEOUT;
             while self.inner.aborts_in_flight.load(Ordering::Acquire) > 0
                 && tokio::time::Instant::now() < until
             {
@@ -494,6 +518,9 @@ impl OpCtxOwned {
         }
     }
 }
+
+/// How long telling a peer of a failure may take (a dial under load can take seconds).
+const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Tells `peers` that operation `seq` failed here, so that they stop waiting for it.
 async fn send_aborts<T: Transport>(t: Arc<T>, lane: Lane, seq: u64, err: Error, peers: Vec<usize>) {

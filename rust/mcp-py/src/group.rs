@@ -134,7 +134,7 @@ impl ProcessGroup {
     #[new]
     #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
-                        small_bytes=65536, protocol_major=None))]
+                        small_bytes=65536, protocol_major=None, on_bound=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -149,6 +149,7 @@ impl ProcessGroup {
         chunk_bytes: usize,
         small_bytes: usize,
         protocol_major: Option<u8>,
+        on_bound: Option<Py<PyAny>>,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -171,8 +172,20 @@ impl ProcessGroup {
             small_bytes,
         };
         let rt = runtime(py)?;
+        // `on_bound(addr)` runs once the socket is bound, before the rendezvous: the torch
+        // backend publishes rank 0's address through its Store there.
+        let publish = move |addr: std::net::SocketAddr| -> Result<(), Error> {
+            match &on_bound {
+                None => Ok(()),
+                Some(f) => Python::attach(|py| {
+                    f.call1(py, (addr.to_string(),))
+                        .map(|_| ())
+                        .map_err(|e| Error::Io(format!("on_bound callback failed: {e}")))
+                }),
+            }
+        };
         let t = py
-            .detach(|| rt.block_on(QuicTransport::connect(cfg)))
+            .detach(|| rt.block_on(QuicTransport::connect_with(cfg, publish)))
             .map_err(|e| to_py(py, e))?;
         Ok(ProcessGroup {
             group: Group::new(t, gcfg),

@@ -669,3 +669,36 @@ async fn bad_arguments_are_refused_before_anything_is_sent() {
     g.close().await;
     assert!(matches!(g.barrier(), Err(Error::Closed(_))));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_root_learns_of_a_mismatch_at_its_next_operation() {
+    let results = run_world(2, None, cfg(), |g, r| async move {
+        let shape = vec![4u64];
+        let mut buf = vec![0u8; 16];
+        // SAFETY: `buf` outlives the awaited operations.
+        let raw = unsafe { RawBuf::from_slice(&mut buf) };
+        let t = Tensor {
+            buf: raw,
+            dtype: DType::F32,
+            shape: &shape,
+        };
+        let first = if r == 0 {
+            g.broadcast(t, 0)?.await
+        } else {
+            g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
+        };
+        if r == 0 {
+            assert!(first.is_ok(), "the root sends and is done: {first:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return g.barrier()?.await;
+        }
+        first
+    })
+    .await;
+    for (r, res) in results.into_iter().enumerate() {
+        assert!(
+            matches!(res, Err(Error::SpecMismatch(_))),
+            "rank {r}: {res:?}"
+        );
+    }
+}

@@ -94,6 +94,7 @@ struct Inner {
     lost_peers: HashMap<usize, Error>,
     aborted: HashMap<(Lane, u64), Error>,
     aborted_order: VecDeque<(Lane, u64)>,
+    remote_aborts: VecDeque<(Lane, u64, Error)>,
     closed: Option<Error>,
 }
 
@@ -149,7 +150,13 @@ impl Mailbox {
         match frame.header.kind {
             FrameKind::Abort => {
                 let (lane, err) = decode_abort(src, &frame.payload.to_vec());
-                self.abort(lane, frame.header.seq, err);
+                if self.abort(lane, frame.header.seq, err.clone()) {
+                    let mut inner = self.lock();
+                    inner.remote_aborts.push_back((lane, frame.header.seq, err));
+                    while inner.remote_aborts.len() > ABORT_MEMORY {
+                        inner.remote_aborts.pop_front();
+                    }
+                }
             }
             FrameKind::Goodbye => self.fail_peer(
                 src,
@@ -255,6 +262,27 @@ impl Mailbox {
             }
             notified.await;
         }
+    }
+
+    /// Takes the abort a peer sent for operation `seq`, if any (an operation that succeeded
+    /// here, such as a broadcast root's, may still have failed elsewhere).
+    pub fn take_remote_abort(&self, lane: Lane, seq: u64) -> Option<Error> {
+        let mut inner = self.lock();
+        let at = inner
+            .remote_aborts
+            .iter()
+            .position(|(l, s, _)| *l == lane && *s == seq)?;
+        inner.remote_aborts.remove(at).map(|(_, _, e)| e)
+    }
+
+    /// Takes the oldest abort a peer sent for an operation numbered below `seq`.
+    pub fn take_earlier_remote_abort(&self, lane: Lane, seq: u64) -> Option<(u64, Error)> {
+        let mut inner = self.lock();
+        let at = inner
+            .remote_aborts
+            .iter()
+            .position(|(l, s, _)| *l == lane && *s < seq)?;
+        inner.remote_aborts.remove(at).map(|(_, s, e)| (s, e))
     }
 
     /// True when operation `seq` on `lane` was aborted (by us or by a peer).

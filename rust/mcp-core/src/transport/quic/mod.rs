@@ -30,6 +30,8 @@ pub(crate) mod close_code {
     pub const BOOTSTRAP_DONE: u32 = 0x4d04;
     /// The rendezvous refused this process (duplicate rank, other world size).
     pub const REFUSED: u32 = 0x4d05;
+    /// Rank 0 gave up on the rendezvous (a rank never came); the reason says which.
+    pub const RENDEZVOUS_FAILED: u32 = 0x4d06;
 }
 
 /// Largest payload a frame may announce; anything larger is a protocol error.
@@ -110,6 +112,16 @@ impl QuicTransport {
     /// Binds, meets the other ranks at the rendezvous and returns once every rank's endpoint
     /// is known. Fails with `Timeout` if they do not all arrive within `connect_timeout`.
     pub async fn connect(cfg: QuicConfig) -> Result<Arc<QuicTransport>> {
+        Self::connect_with(cfg, |_| Ok(())).await
+    }
+
+    /// As [`QuicTransport::connect`], calling `bound` with this process's listening address
+    /// before the rendezvous: rank 0 can bind port 0 and publish the port it got (through a
+    /// torch Store, say) for the others to dial.
+    pub async fn connect_with(
+        cfg: QuicConfig,
+        bound: impl FnOnce(SocketAddr) -> Result<()>,
+    ) -> Result<Arc<QuicTransport>> {
         if cfg.world_size == 0 || cfg.rank >= cfg.world_size {
             return Err(Error::InvalidArgument(format!(
                 "rank {} is not in a world of {} ranks",
@@ -163,11 +175,16 @@ impl QuicTransport {
             stats: QuicStats::default(),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
-        let res = rendezvous::run(&t, deadline).await;
+        let res = match t.local_addr().and_then(bound) {
+            Ok(()) => rendezvous::run(&t, deadline).await,
+            Err(e) => Err(e),
+        };
         t.bootstrap_open.store(false, Ordering::Release);
         if let Err(e) = res {
-            t.endpoint
-                .close(VarInt::from_u32(close_code::REFUSED), b"rendezvous failed");
+            t.endpoint.close(
+                VarInt::from_u32(close_code::RENDEZVOUS_FAILED),
+                e.to_string().as_bytes(),
+            );
             return Err(e);
         }
         Ok(t)
@@ -480,6 +497,10 @@ fn map_conn_error(e: &ConnectionError, peer: usize, who: &str, op: &str) -> Erro
                     peer: who.to_string(),
                 },
                 x if x == close_code::REFUSED as u64 => Error::InvalidArgument(format!("rendezvous refused this process: {reason}")),
+                x if x == close_code::RENDEZVOUS_FAILED as u64 => Error::Timeout {
+                    what: format!("rank 0 gave up on the rendezvous: {reason}"),
+                    after: Duration::ZERO,
+                },
                 _ => Error::PeerLost {
                     rank: peer,
                     op: op.to_string(),

@@ -1,0 +1,20 @@
+"""torch.distributed integration: the backend ``"mcp"``.
+
+``import mcp_fast.torch`` (or nothing at all: torch loads our ``torch.backends`` entry point
+when it is imported) registers the backend, after which::
+
+    torch.distributed.init_process_group("mcp")      # under torchrun, or with store/rank/size
+
+runs every collective of torch.distributed, DistributedDataParallel included, over MCP.
+"""
+
+from __future__ import annotations
+
+from .backend import MCPProcessGroup, register
+
+__all__ = ["MCPProcessGroup", "autoload", "register"]
+
+
+def autoload() -> None:
+    """Entry point of the ``torch.backends`` group: registers ``"mcp"`` when torch loads."""
+    register()

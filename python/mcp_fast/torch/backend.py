@@ -1,0 +1,531 @@
+"""The torch.distributed backend ``"mcp"``: a ProcessGroup written in Python over mcp_fast.
+
+Endpoints are exchanged through the Store torch hands the backend (as Gloo and NCCL do):
+rank 0 binds an ephemeral UDP port and publishes ``host:port``; the others read it and meet
+there. The job secret comes from ``MCP_SECRET`` or, when unset, rank 0 generates one and
+publishes it through the same Store: then whoever can read the Store can join (the Store is
+torch's own trust boundary; set ``MCP_SECRET`` to make the TLS handshake the boundary).
+
+Every operation returns a torch Work made from a Future that a small pool of completion
+threads fulfils once the Rust core finishes; futures are never completed on the transport's
+threads, so hooks that ``wait()`` inside ``then`` callbacks (PowerSGD) cannot deadlock it.
+CUDA tensors are staged through host memory (see ``_staging``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _core
+from ..group import Group, Work
+from ._staging import Staged, stage
+
+BACKEND = "mcp"
+_A2A_TAG = 0x4D415441  # marks the point-to-point messages of all_to_all
+
+
+class MCPWork(dist._Work):
+    """The work handle of one operation: ``wait()`` blocks until the completion thread has
+    finished it and raises its error (a torch Work made from a bare Future would swallow it);
+    ``get_future()`` is completed with the output tensors, or with the exception."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._result = result
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future = torch.futures.Future()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+
+    def wait(self, timeout: Any = None) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if seconds is not None and seconds <= 0:
+            seconds = None
+        if not self._done.wait(seconds):
+            from ..errors import MCPTimeoutError
+
+            raise MCPTimeoutError(f"operation still running after {seconds} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> Any:
+        return self._result
+
+
+def _op(reduce_op: Any) -> str:
+    """torch ReduceOp → our op name."""
+    op = getattr(reduce_op, "op", reduce_op)
+    name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
+    names = {"sum": "sum", "avg": "avg", "min": "min", "max": "max", "product": "prod"}
+    if name not in names:
+        raise ValueError(
+            f"the mcp backend does not support ReduceOp.{name.upper()}; "
+            "use SUM, AVG, MIN, MAX or PRODUCT"
+        )
+    return names[name]
+
+
+def _is_local(ip: str) -> bool:
+    try:
+        fam = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _bind_ip() -> str:
+    """The address rank 0 listens on: MASTER_ADDR when it is ours, else our address on the
+    route to it; loopback when no MASTER_ADDR is set (a single-host job)."""
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return "127.0.0.1"
+    infos = socket.getaddrinfo(master, None, type=socket.SOCK_DGRAM)
+    ips = [i[4][0] for i in infos if i[0] == socket.AF_INET] or [i[4][0] for i in infos]
+    for ip in ips:
+        if _is_local(ip):
+            return ip
+    fam = socket.AF_INET6 if ":" in ips[0] else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_DGRAM) as s:
+        s.connect((ips[0], 9))  # no packet is sent: this only asks for the route
+        return str(s.getsockname()[0])
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, port = addr.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+class MCPProcessGroup(dist.ProcessGroup):
+    """A torch ProcessGroup whose collectives run on mcp_fast's Rust core."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._group_name = ""
+        self._group_desc = ""
+        seconds = max(1.0, timeout.total_seconds())
+        secret = os.environ.get("MCP_SECRET")
+        if secret is None:
+            if rank == 0:
+                secret = secrets.token_hex(32)
+                store.set("mcp/secret", secret)
+            else:
+                secret = store.get("mcp/secret").decode()
+        kwargs: dict[str, Any] = {
+            "secret": secret.encode(),
+            "timeout": seconds,
+            "connect_timeout": seconds,
+            "idle_timeout": float(os.environ.get("MCP_IDLE_TIMEOUT", "30")),
+        }
+        if rank == 0:
+            core = _core.ProcessGroup(
+                0,
+                size,
+                _bind_ip(),
+                0,
+                on_bound=lambda addr: store.set("mcp/addr", addr),
+                **kwargs,
+            )
+        else:
+            host, port = _split_addr(store.get("mcp/addr").decode())
+            core = _core.ProcessGroup(rank, size, host, port, **kwargs)
+        self._mcp = Group(core)
+        # Completion threads: enough that a hook waiting inside a callback never starves them.
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mcp-complete")
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def _work(
+        self,
+        start: Callable[[], list[Work | None]],
+        result: Any,
+        staged: Sequence[Staged] = (),
+        after: Callable[[], None] | None = None,
+    ) -> Any:
+        """Starts the operation now (so every rank issues it in call order) and returns a work
+        handle that a completion thread finishes with ``result``."""
+        work = MCPWork(result)
+        try:
+            works = [w for w in start() if w is not None]
+        except BaseException as e:
+            for s in staged:
+                s.release()
+            raise e
+
+        def finish() -> None:
+            error: BaseException | None = None
+            try:
+                for w in works:
+                    w.wait()
+                for s in staged:
+                    s.write_back()
+                if after is not None:
+                    after()
+            except BaseException as e:
+                error = e
+            finally:
+                for s in staged:
+                    s.release()
+            work._finish(error)
+
+        self._pool.submit(finish)
+        return work
+
+    # ---- identity -------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def mcp_group(self) -> Group:
+        """The underlying :class:`mcp_fast.Group` (for health, RTT, diagnostics)."""
+        return self._mcp
+
+    # ---- collectives ----------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        staged = [stage(t) for t in tensors]
+        return self._work(
+            lambda: [self._mcp.all_reduce(s.host, op=op, async_op=True) for s in staged],
+            tensors,
+            staged,
+        )
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        flat = torch._utils._flatten_dense_tensors([t.detach().cpu() for t in tensors])
+
+        def after() -> None:
+            outs = torch._utils._unflatten_dense_tensors(flat, tensors)
+            for t, o in zip(tensors, outs, strict=True):
+                t.copy_(o)
+
+        return self._work(
+            lambda: [self._mcp.all_reduce(flat, op=op, async_op=True)], tensors, after=after
+        )
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        root = opts.rootRank
+        staged = [stage(t, read=True) for t in tensors]
+        return self._work(
+            lambda: [self._mcp.broadcast(s.host, src=root, async_op=True) for s in staged],
+            tensors,
+            staged,
+        )
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
+    ) -> Any:
+        return self._allgather_lists(output_tensors, input_tensors)
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any
+    ) -> Any:
+        return self._allgather_lists(output_lists, input_list)
+
+    def _allgather_lists(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor]) -> Any:
+        gathered = []
+        for inp in ins:
+            src = inp.detach().contiguous().cpu()
+            gathered.append((src, torch.empty((self.size(), *src.shape), dtype=src.dtype)))
+
+        def after() -> None:
+            for out_list, (_, g) in zip(outs, gathered, strict=True):
+                for r, o in enumerate(out_list):
+                    o.copy_(g[r])
+
+        return self._work(
+            lambda: [self._mcp.all_gather(g, s, async_op=True) for s, g in gathered],
+            outs,
+            after=after,
+        )
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self.all_gather_single(output, input, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(
+                f"all_gather_into_tensor: output has {output.numel()} elements, expected "
+                f"world_size ({self.size()}) x {input.numel()}"
+            )
+        out = stage(output)
+        src = input.detach().contiguous().cpu()
+        view = out.host.view((self.size(), *src.shape))
+        return self._work(lambda: [self._mcp.all_gather(view, src, async_op=True)], output, [out])
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._chain(works, outputs)
+
+    def reduce_scatter(
+        self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        op = _op(opts.reduceOp)
+        pairs = []
+        for out, ins in zip(output_tensors, input_lists, strict=True):
+            flat = torch.cat([i.detach().cpu().reshape(-1) for i in ins])
+            pairs.append((stage(out), flat))
+        return self._work(
+            lambda: [self._mcp.reduce_scatter(s.host, f, op=op, async_op=True) for s, f in pairs],
+            output_tensors,
+            [s for s, _ in pairs],
+        )
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        return self.reduce_scatter_single(output, input, opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        out = stage(output)
+        src = input.detach().contiguous().cpu()
+        return self._work(
+            lambda: [self._mcp.reduce_scatter(out.host, src, op=op, async_op=True)], output, [out]
+        )
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        works = [
+            self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._chain(works, outputs)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        op, root = _op(opts.reduceOp), opts.rootRank
+        tmp = [t.detach().contiguous().cpu().clone() for t in tensors]
+
+        def after() -> None:
+            if self.rank() == root:
+                for t, r in zip(tensors, tmp, strict=True):
+                    t.copy_(r)
+
+        return self._work(
+            lambda: [self._mcp.all_reduce(r, op=op, async_op=True) for r in tmp],
+            tensors,
+            after=after,
+        )
+
+    def gather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
+    ) -> Any:
+        root = opts.rootRank
+        outs = output_tensors if self.rank() == root else [[] for _ in input_tensors]
+        gathered = []
+        for inp in input_tensors:
+            src = inp.detach().contiguous().cpu()
+            gathered.append((src, torch.empty((self.size(), *src.shape), dtype=src.dtype)))
+
+        def after() -> None:
+            for out_list, (_, g) in zip(outs, gathered, strict=True):
+                for r, o in enumerate(out_list):
+                    o.copy_(g[r])
+
+        return self._work(
+            lambda: [self._mcp.all_gather(g, s, async_op=True) for s, g in gathered],
+            output_tensors,
+            after=after,
+        )
+
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        root = opts.rootRank
+        out = stage(output_tensors[0])
+
+        def start() -> list[Work | None]:
+            if self.rank() != root:
+                return [self._mcp.recv(out.host, src=root, tag=_A2A_TAG, async_op=True)]
+            works: list[Work | None] = []
+            for r, t in enumerate(input_tensors[0]):
+                src = t.detach().contiguous().cpu()
+                if r == root:
+                    out.host.copy_(src)
+                else:
+                    works.append(self._mcp.send(src, dst=r, tag=_A2A_TAG, async_op=True))
+            return works
+
+        return self._work(start, output_tensors, [out])
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
+        w = self.size()
+        out = stage(output)
+        src = input.detach().contiguous().cpu()
+        outs = _split(out.host, output_split_sizes, w)
+        ins = _split(src, input_split_sizes, w)
+        return self._work(lambda: self._exchange(outs, ins), output, [out])
+
+    def alltoall(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any
+    ) -> Any:
+        staged = [stage(o) for o in output_tensors]
+        ins = [i.detach().contiguous().cpu() for i in input_tensors]
+        return self._work(
+            lambda: self._exchange([s.host for s in staged], ins), output_tensors, staged
+        )
+
+    def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> list[Work | None]:
+        me, w = self.rank(), self.size()
+        outs[me].copy_(ins[me])
+        works: list[Work | None] = []
+        # Send to the next ranks in ring order and receive from the previous, so that every
+        # pair's send is matched by the peer's receive in the same order.
+        for k in range(1, w):
+            dst, src = (me + k) % w, (me - k) % w
+            works.append(self._mcp.send(ins[dst], dst=dst, tag=_A2A_TAG, async_op=True))
+            works.append(self._mcp.recv(outs[src], src=src, tag=_A2A_TAG, async_op=True))
+        return works
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._work(lambda: [self._mcp.barrier(async_op=True)], [])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        srcs = [t.detach().contiguous().cpu() for t in tensors]
+        return self._work(
+            lambda: [self._mcp.send(s, dst=dst, tag=tag, async_op=True) for s in srcs], tensors
+        )
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        staged = [stage(t) for t in tensors]
+        return self._work(
+            lambda: [self._mcp.recv(s.host, src=src, tag=tag, async_op=True) for s in staged],
+            tensors,
+            staged,
+        )
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        raise RuntimeError(
+            "the mcp backend matches messages per sender, in order; recv from any source is "
+            "not supported: pass src= (torch.distributed.recv(t, src=...))"
+        )
+
+    def _chain(self, works: list[Any], result: Any) -> Any:
+        work = MCPWork(result)
+
+        def finish() -> None:
+            error: BaseException | None = None
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:
+                error = e
+            work._finish(error)
+
+        self._pool.submit(finish)
+        return work
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._mcp.close()
+        self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _split(t: torch.Tensor, sizes: list[int], w: int) -> list[torch.Tensor]:
+    if not sizes:
+        if t.shape[0] % w:
+            raise ValueError(
+                f"all_to_all_single: dim 0 ({t.shape[0]}) is not divisible by world_size {w}; "
+                "pass split sizes"
+            )
+        sizes = [t.shape[0] // w] * w
+    if len(sizes) != w or sum(sizes) != t.shape[0]:
+        raise ValueError(f"split sizes {sizes} do not cover dim 0 ({t.shape[0]}) in {w} parts")
+    return list(torch.split(t, sizes, dim=0))
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> MCPProcessGroup:
+    return MCPProcessGroup(store, rank, size, timeout)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Registers the backend ``"mcp"`` with torch.distributed (idempotent)."""
+    global _registered
+    if _registered or BACKEND in dist.Backend.backend_list:
+        _registered = True
+        return
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    _registered = True
+
+
+register()

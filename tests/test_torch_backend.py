@@ -1,0 +1,112 @@
+"""torch.distributed with backend "mcp": every collective, DDP in its common modes, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _launch import Failure, ok, run  # noqa: E402
+
+
+def as_torch(obj):
+    """Results come back as numpy arrays; compare them as tensors."""
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: as_torch(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [as_torch(v) for v in obj]
+    return obj
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_against_a_reference(world: int) -> None:
+    results = as_torch(ok(run("torch_workers.every_collective", world, timeout=180)))
+    for rank, out in enumerate(results):
+        s = sum(range(world))
+        assert out["backend"] == "mcp"
+        torch.testing.assert_close(out["all_reduce"], torch.arange(10.0) * world + s)
+        torch.testing.assert_close(out["all_reduce_max"], torch.full((4,), float(world)))
+        torch.testing.assert_close(
+            out["all_reduce_avg"], torch.full((4,), (s + world) / world, dtype=torch.float64)
+        )
+        torch.testing.assert_close(out["broadcast"], torch.full((3, 3), float(1 % world)))
+        if rank == 0:
+            torch.testing.assert_close(out["reduce"], torch.full((5,), float(s + world)))
+            torch.testing.assert_close(
+                out["gather"], torch.stack([torch.full((2,), float(i)) for i in range(world)])
+            )
+        torch.testing.assert_close(
+            out["all_gather"], torch.stack([torch.full((2,), float(i)) for i in range(world)])
+        )
+        torch.testing.assert_close(
+            out["all_gather_into_tensor"],
+            torch.cat([torch.full((3,), float(i)) for i in range(world)]),
+        )
+        torch.testing.assert_close(out["scatter"], torch.full((2,), float(rank * 10)))
+        torch.testing.assert_close(out["reduce_scatter"], torch.full((2,), float(s + world * rank)))
+        base = torch.arange(2 * world, dtype=torch.float32)[2 * rank : 2 * rank + 2]
+        torch.testing.assert_close(out["reduce_scatter_tensor"], base * world + s)
+        want = torch.cat(
+            [
+                torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * i
+                for i in range(world)
+            ]
+        )
+        torch.testing.assert_close(out["all_to_all_single"], want)
+        want = torch.cat([torch.full((rank + 1,), float(100 * i + rank)) for i in range(world)])
+        torch.testing.assert_close(out["all_to_all_uneven"], want)
+        torch.testing.assert_close(
+            out["all_to_all"], torch.tensor([float(10 * i + rank) for i in range(world)])
+        )
+        torch.testing.assert_close(out["p2p"], torch.full((3,), float((rank - 1) % world)))
+        total = world * (world + 1) / 2
+        torch.testing.assert_close(out["async"], torch.full((1000,), total))
+        torch.testing.assert_close(out["future"], torch.full((1000,), total))
+        torch.testing.assert_close(out["coalesced"][0], torch.full((3,), float(s)))
+        torch.testing.assert_close(out["coalesced"][1], torch.full((2, 2), total))
+        if rank in (0, world - 1):
+            torch.testing.assert_close(out["subgroup"], torch.full((4,), float(1 + world)))
+        for name, t in out["dtypes"].items():
+            torch.testing.assert_close(t, torch.full((7,), total, dtype=torch.float64), msg=name)
+
+
+MODES = [
+    "plain",
+    "find_unused",
+    "bucket_view",
+    "static_graph",
+    "no_sync",
+    "join",
+    "hook_allreduce",
+    "hook_fp16",
+    "hook_powersgd",
+    "hook_thread",
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_matches_gloo(mode: str) -> None:
+    world = 2
+    mcp = as_torch(ok(run("torch_workers.ddp_train", world, "mcp", mode, timeout=180)))
+    gloo = as_torch(ok(run("torch_workers.ddp_train", world, "gloo", mode, timeout=180)))
+    for rank in range(world):
+        for a, b in zip(mcp[rank], gloo[rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(mcp[rank], mcp[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # replicas agree exactly
+
+
+def test_shape_mismatch_is_an_error_on_every_rank() -> None:
+    res = run("torch_workers.shape_mismatch", 2, timeout=90)
+    for f in res:
+        assert isinstance(f, Failure) and "SpecMismatchError" in f.message, f
+
+
+def test_different_collectives_are_an_error_on_every_rank() -> None:
+    res = run("torch_workers.wrong_collective", 2, timeout=90)
+    for f in res:
+        assert isinstance(f, Failure) and "SpecMismatchError" in f.message, f

@@ -1,0 +1,227 @@
+"""Functions the torch backend tests run on every rank (see ``_launch.run``)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import mcp_fast.torch  # noqa: F401  (registers "mcp" even where entry points are not installed)
+
+
+def _init(backend: str = "mcp", timeout: float = 60) -> None:
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+
+def every_collective(rank: int, world: int) -> dict[str, Any]:
+    _init()
+    out: dict[str, Any] = {}
+    r = float(rank)
+    t = torch.arange(10, dtype=torch.float32) + r
+    dist.all_reduce(t)
+    out["all_reduce"] = t
+    t = torch.full((4,), r + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out["all_reduce_max"] = t
+    t = torch.full((4,), r + 1, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["all_reduce_avg"] = t
+    t = torch.full((3, 3), r) if rank == 1 % world else torch.zeros(3, 3)
+    dist.broadcast(t, src=1 % world)
+    out["broadcast"] = t
+    t = torch.full((5,), r + 1)
+    dist.reduce(t, dst=0)
+    out["reduce"] = t if rank == 0 else None
+    outs = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(outs, torch.full((2,), r))
+    out["all_gather"] = torch.stack(outs)
+    o = torch.zeros(world * 3)
+    dist.all_gather_into_tensor(o, torch.full((3,), r))
+    out["all_gather_into_tensor"] = o
+    g = [torch.zeros(2) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), r), gather_list=g, dst=0)
+    out["gather"] = torch.stack(g) if g is not None else None
+    s = torch.zeros(2)
+    dist.scatter(s, [torch.full((2,), float(i * 10)) for i in range(world)] if rank == 0 else None)
+    out["scatter"] = s
+    rs = torch.zeros(2)
+    dist.reduce_scatter(rs, [torch.full((2,), float(rank + i)) for i in range(world)])
+    out["reduce_scatter"] = rs
+    rs = torch.zeros(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(2 * world, dtype=torch.float32) + r)
+    out["reduce_scatter_tensor"] = rs
+    a2a_in = torch.arange(world * 2, dtype=torch.float32) + 100 * r
+    a2a_out = torch.zeros(world * 2)
+    dist.all_to_all_single(a2a_out, a2a_in)
+    out["all_to_all_single"] = a2a_out
+    # uneven splits: rank r sends (i + 1) elements to rank i
+    in_splits = [i + 1 for i in range(world)]
+    out_splits = [rank + 1] * world
+    a2a_in = torch.cat([torch.full((i + 1,), float(100 * rank + i)) for i in range(world)])
+    a2a_out = torch.zeros(sum(out_splits))
+    dist.all_to_all_single(a2a_out, a2a_in, out_splits, in_splits)
+    out["all_to_all_uneven"] = a2a_out
+    outs = [torch.zeros(1) for _ in range(world)]
+    dist.all_to_all(outs, [torch.full((1,), float(10 * rank + i)) for i in range(world)])
+    out["all_to_all"] = torch.cat(outs)
+    dist.barrier()
+    # point to point, blocking and async
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    buf = torch.zeros(3)
+    if world > 1:
+        sw = dist.isend(torch.full((3,), r), dst=nxt)
+        rw = dist.irecv(buf, src=prv)
+        sw.wait()
+        rw.wait()
+    out["p2p"] = buf
+    # async collective handles, futures
+    t = torch.ones(1000) * (rank + 1)
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    work.wait()
+    out["async"] = t
+    out["future"] = fut.value()[0]
+    # coalesced
+    ts = [torch.ones(3) * r, torch.ones(2, 2) * (r + 1)]
+    dist.all_reduce_coalesced(ts)
+    out["coalesced"] = [x.clone() for x in ts]
+    # sub-groups: every rank calls new_group; only members run on it
+    sub = dist.new_group([0, world - 1])
+    if rank in (0, world - 1):
+        t = torch.ones(4) * (rank + 1)
+        dist.all_reduce(t, group=sub)
+        out["subgroup"] = t
+    dtypes = {}
+    for dt in [torch.bfloat16, torch.float16, torch.int64, torch.uint8]:
+        t = torch.ones(7, dtype=dt) * (rank + 1)
+        dist.all_reduce(t)
+        dtypes[str(dt)] = t.to(torch.float64)
+    out["dtypes"] = dtypes
+    out["backend"] = dist.get_backend()
+    dist.destroy_process_group()
+    return out
+
+
+class Net(nn.Module):
+    def __init__(self, with_unused: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        # A layer that never takes part: DDP needs find_unused_parameters for it.
+        self.unused = nn.Linear(4, 4) if with_unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+_HOOK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hook")
+
+
+def _hook_from_thread(state, bucket):  # type: ignore[no-untyped-def]
+    """A comm hook whose future is completed from another thread (one thread, so that the
+    buckets' all-reduces are issued in the same order on every rank). No annotations: DDP
+    checks them against dist.GradBucket, which postponed annotations would hide."""
+    t = bucket.buffer()
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            dist.all_reduce(t, group=state)
+            fut.set_result(t / dist.get_world_size(state))
+        except Exception as e:
+            fut.set_exception(e)
+
+    _HOOK_THREAD.submit(run)
+    return fut
+
+
+def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) -> list[torch.Tensor]:
+    """Trains Net for a few steps with DDP in `mode`; returns the final parameters."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.distributed.algorithms.join import Join
+
+    _init(backend)
+    torch.manual_seed(0)
+    model = Net(with_unused=mode == "find_unused")
+    kwargs: dict[str, Any] = {}
+    if mode == "find_unused":
+        kwargs["find_unused_parameters"] = True
+    if mode == "bucket_view":
+        kwargs["gradient_as_bucket_view"] = True
+    if mode == "static_graph":
+        kwargs["static_graph"] = True
+    # Small buckets (several all-reduces per step), except for PowerSGD, whose per-bucket
+    # callback chains issue collectives from completion threads: with several buckets their
+    # order across ranks would depend on thread timing, for any backend.
+    bucket_mb = 25.0 if mode == "hook_powersgd" else 0.0001
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **kwargs)
+    if mode == "hook_allreduce":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    if mode == "hook_fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if mode == "hook_powersgd":
+        state = psgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.0,
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    if mode == "hook_thread":
+        ddp.register_comm_hook(dist.group.WORLD, _hook_from_thread)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    n_steps = steps + (rank if mode == "join" else 0)  # uneven inputs for Join
+    data = [
+        (torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))
+        for _ in range(n_steps)
+    ]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss = ((ddp(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+
+    if mode == "join":
+        with Join([ddp]):
+            for x, y in data:
+                step(x, y)
+    elif mode == "no_sync":
+        for i, (x, y) in enumerate(data):
+            if i % 2 == 0:
+                with ddp.no_sync():
+                    opt.zero_grad()
+                    ((ddp(x) - y) ** 2).mean().backward()
+            else:
+                loss = ((ddp(x) - y) ** 2).mean()
+                loss.backward()  # accumulates the no_sync step's gradients, then syncs
+                opt.step()
+    else:
+        for x, y in data:
+            step(x, y)
+    params = [p.detach().clone() for p in model.parameters()]
+    dist.destroy_process_group()
+    return params
+
+
+def shape_mismatch(rank: int, world: int) -> None:
+    _init(timeout=20)
+    dist.all_reduce(torch.zeros(10 + rank))
+
+
+def wrong_collective(rank: int, world: int) -> None:
+    _init(timeout=20)
+    t = torch.zeros(4)
+    if rank == 0:
+        dist.broadcast(t, src=0)  # the root only sends: it cannot object right away
+        time.sleep(0.5)
+        dist.barrier()  # ... so it hears of the mismatch at its next operation
+    else:
+        dist.all_reduce(t)
