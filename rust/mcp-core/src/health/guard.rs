@@ -60,7 +60,7 @@ fn for_each_block<T: Pod>(bytes: &[u8], mut f: impl FnMut(&[T])) {
         Ok(s) => f(s),
         Err(_) => {
             let size = std::mem::size_of::<T>();
-            let mut tmp = vec![T::zeroed(); BLOCK];
+            let mut tmp = [T::zeroed(); BLOCK];
             for chunk in bytes.chunks(BLOCK * size) {
                 let n = chunk.len() / size;
                 bytemuck::cast_slice_mut::<T, u8>(&mut tmp[..n]).copy_from_slice(chunk);
@@ -76,7 +76,7 @@ fn for_each_block_mut<T: Pod>(bytes: &mut [u8], mut f: impl FnMut(&mut [T])) {
         Ok(s) => f(s),
         Err(_) => {
             let size = std::mem::size_of::<T>();
-            let mut tmp = vec![T::zeroed(); BLOCK];
+            let mut tmp = [T::zeroed(); BLOCK];
             for chunk in bytes.chunks_mut(BLOCK * size) {
                 let n = chunk.len() / size;
                 bytemuck::cast_slice_mut::<T, u8>(&mut tmp[..n]).copy_from_slice(chunk);

@@ -13,13 +13,14 @@
 //!
 //! From them, with the design's factors as defaults:
 //!
-//! - [`heartbeat_timeout`](LatencyTracker::heartbeat_timeout)` = max(heartbeat_floor,
-//!   1.3 × mean)`: how long to wait for one heartbeat's reply before counting it missed.
-//! - [`io_timeout`](LatencyTracker::io_timeout)` = max(io_floor, 2.5 × p99)`: how long a read
-//!   or write may make no progress.
-//! - [`silence_limit`](LatencyTracker::silence_limit)`(interval) = misses_allowed × interval
-//!   + heartbeat_timeout`: how long a peer may stay silent, heartbeats sent every `interval`,
-//!   before it is declared lost.
+//! - [`heartbeat_timeout`](LatencyTracker::heartbeat_timeout) is
+//!   `max(heartbeat_floor, 1.3 × mean)`: how long to wait for one heartbeat's reply before
+//!   counting it missed.
+//! - [`io_timeout`](LatencyTracker::io_timeout) is `max(io_floor, 2.5 × p99)`: how long a
+//!   read or write may make no progress.
+//! - [`silence_limit`](LatencyTracker::silence_limit) of `interval` is
+//!   `misses_allowed × interval + heartbeat_timeout`: how long a peer may stay silent,
+//!   heartbeats sent every `interval`, before it is declared lost.
 //!
 //! Before the first sample every timeout is `cold_timeout`, since nothing is known yet.
 
