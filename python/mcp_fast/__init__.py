@@ -7,9 +7,10 @@ MCP (Model Control Protocol) over QUIC with mutual TLS, from a Rust core::
     g.all_reduce(array)            # in place, numpy or torch CPU
 """
 
-from . import _core, checkpoint, delta
+from . import _core, checkpoint, delta, guards
 from .errors import (
     AuthenticationError,
+    GradientError,
     GroupClosedError,
     MCPError,
     MCPTimeoutError,
@@ -19,6 +20,7 @@ from .errors import (
     VersionMismatchError,
 )
 from .group import Group, Work, init
+from .guards import GradientGuard, GuardResult
 
 __version__: str = _core.__version__
 PROTOCOL_VERSION: str = f"{_core.PROTOCOL_MAJOR}.{_core.PROTOCOL_MINOR}"
@@ -27,9 +29,13 @@ __all__ = [
     "PROTOCOL_VERSION",
     "checkpoint",
     "delta",
+    "guards",
     "AuthenticationError",
+    "GradientError",
+    "GradientGuard",
     "Group",
     "GroupClosedError",
+    "GuardResult",
     "MCPError",
     "MCPTimeoutError",
     "PeerLostError",

@@ -56,8 +56,24 @@ class GroupClosedError(MCPError):
     """The group was closed or aborted before the operation could run."""
 
 
+class GradientError(MCPError):
+    """The gradient-norm guard tripped with policy ``"raise"``: several steps in a row had a
+    norm above ``max_norm`` or a NaN/Inf.
+
+    Attributes:
+        norm: the global L2 norm of the step that tripped it (NaN when non-finite).
+        consecutive: bad steps in a row, this one included.
+    """
+
+    def __init__(self, message: str, norm: float = float("nan"), consecutive: int = 0):
+        super().__init__(message)
+        self.norm = norm
+        self.consecutive = consecutive
+
+
 __all__ = [
     "AuthenticationError",
+    "GradientError",
     "GroupClosedError",
     "MCPError",
     "MCPTimeoutError",

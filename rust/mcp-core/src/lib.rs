@@ -16,6 +16,7 @@ pub mod dtype;
 pub mod error;
 pub mod fec;
 pub mod group;
+pub mod health;
 pub mod reduce;
 pub mod transport;
 pub mod wire;

@@ -4,6 +4,7 @@
 mod delta;
 mod errors;
 mod group;
+mod health;
 mod runtime;
 mod work;
 
@@ -16,6 +17,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<work::Work>()?;
     m.add_function(wrap_pyfunction!(group::reduce_into, m)?)?;
     delta::register(m)?;
+    health::register(m)?;
     m.add("PROTOCOL_MAJOR", mcp_core::wire::PROTOCOL_MAJOR)?;
     m.add("PROTOCOL_MINOR", mcp_core::wire::PROTOCOL_MINOR)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
