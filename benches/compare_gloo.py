@@ -47,8 +47,8 @@ def worker(rank: int, world: int, ports: tuple[int, int], args: argparse.Namespa
         iters = max(3, min(200, int(3e8 // max(nbytes, 1))))
         timing: dict[str, list[float]] = {"gloo": [], "mcp": []}
         runners = {
-            "gloo": lambda: dist.all_reduce(t),
-            "mcp": lambda: g.all_reduce(t, algorithm=args.algorithm),
+            "gloo": lambda t=t: dist.all_reduce(t),
+            "mcp": lambda t=t: g.all_reduce(t, algorithm=args.algorithm),
         }
         for _ in range(args.repeats):
             for name, fn in runners.items():
@@ -77,7 +77,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--algorithm", default="auto")
     args = p.parse_args()
-    print(f"# {platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
+    cpu = platform.processor() or platform.machine()
+    print(f"# {platform.node()}: {os.cpu_count()} CPUs, {cpu}")
     print("| ranks | size | Gloo time | mcp_fast time | Gloo busbw | mcp_fast busbw | speed-up |")
     print("|---|---|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
