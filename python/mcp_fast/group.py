@@ -87,6 +87,11 @@ class Group:
         """The UDP address (host:port) this rank listens on."""
         return self.core.local_addr
 
+    def stats(self) -> dict[str, int]:
+        """Transport counters: frames_sent/received, bytes_sent/received, corrupt_frames,
+        refused_handshakes."""
+        return self.core.stats()
+
     def rtt(self, peer: int) -> float | None:
         """Smoothed round-trip time to ``peer`` in seconds, once connected."""
         return self.core.rtt(peer)

@@ -220,15 +220,21 @@ impl ProcessGroup {
             .map_err(|e| to_py(py, e))
     }
 
-    /// Counters: refused handshakes, frames received, corrupt frames.
-    fn stats(&self) -> (u64, u64, u64) {
+    /// Transport counters: frames and bytes sent and received, corrupt frames, refused
+    /// handshakes.
+    fn stats(&self) -> std::collections::HashMap<&'static str, u64> {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.group.transport().stats();
-        (
-            s.refused_handshakes.load(Relaxed),
-            s.frames_received.load(Relaxed),
-            s.corrupt_frames.load(Relaxed),
-        )
+        [
+            ("refused_handshakes", s.refused_handshakes.load(Relaxed)),
+            ("frames_received", s.frames_received.load(Relaxed)),
+            ("frames_sent", s.frames_sent.load(Relaxed)),
+            ("corrupt_frames", s.corrupt_frames.load(Relaxed)),
+            ("bytes_sent", s.bytes_sent.load(Relaxed)),
+            ("bytes_received", s.bytes_received.load(Relaxed)),
+        ]
+        .into_iter()
+        .collect()
     }
 
     /// Smoothed round-trip time to `peer` in seconds, if connected.

@@ -72,8 +72,11 @@ pub async fn allreduce_recursive_doubling<T: Transport>(
     } else {
         r - rem
     };
+    // Rounds are numbered from 0 like every algorithm's first step, so that a peer running a
+    // different collective under the same sequence number is caught by the spec check at once
+    // (the fold frames use step 0 too, but between a different pair of ranks).
     let mut mask = 1usize;
-    let mut round = 1u32;
+    let mut round = 0u32;
     while mask < p {
         let partner_new = newrank ^ mask;
         let partner = if partner_new < rem {

@@ -113,7 +113,14 @@ impl<T: Transport> OpCtx<'_, T> {
         self.t.expect_from(peer);
         let frame = match tokio::time::timeout_at(self.deadline, self.t.mailbox().recv(key)).await {
             Ok(r) => r?,
-            Err(_) => return Err(self.timeout(peer, step, chunk, "waiting for")),
+            Err(_) => {
+                // A frame under this number that we never asked for means the peer ran a
+                // different operation (or the same one with another algorithm or size).
+                if let Some(h) = self.t.mailbox().peek_header(self.lane(), self.seq) {
+                    self.check(&h)?;
+                }
+                return Err(self.timeout(peer, step, chunk, "waiting for"));
+            }
         };
         self.check(&frame.header)?;
         if frame.payload.len() != expect_len {

@@ -285,6 +285,16 @@ impl Mailbox {
         inner.remote_aborts.remove(at).map(|(_, s, e)| (s, e))
     }
 
+    /// The header of any frame filed for operation `seq` on `lane` (to explain a timeout:
+    /// a peer that sent something else under this number ran another operation).
+    pub fn peek_header(&self, lane: Lane, seq: u64) -> Option<Header> {
+        let inner = self.lock();
+        inner.slots.iter().find_map(|(k, s)| match s {
+            Slot::Ready(Ok(f)) if k.lane == lane && k.seq == seq => Some(f.header.clone()),
+            _ => None,
+        })
+    }
+
     /// True when operation `seq` on `lane` was aborted (by us or by a peer).
     pub fn is_aborted(&self, lane: Lane, seq: u64) -> bool {
         self.lock().aborted.contains_key(&(lane, seq))

@@ -88,6 +88,12 @@ pub struct QuicStats {
     pub frames_received: AtomicU64,
     /// Frames whose payload failed its checksum.
     pub corrupt_frames: AtomicU64,
+    /// Frames sent.
+    pub frames_sent: AtomicU64,
+    /// Frame bytes (headers and payloads) handed to QUIC.
+    pub bytes_sent: AtomicU64,
+    /// Frame bytes received.
+    pub bytes_received: AtomicU64,
 }
 
 /// One process's end of the QUIC mesh.
@@ -381,6 +387,11 @@ impl QuicTransport {
         if let Some(slot) = self.peers.get(peer) {
             slot.sent.fetch_add(1, Ordering::AcqRel);
         }
+        self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
+        self.stats.bytes_sent.fetch_add(
+            (header.encoded_len() + payload.len()) as u64,
+            Ordering::Relaxed,
+        );
         // Track the stream until the peer has it, so that close() does not discard it.
         self.unacked_streams.fetch_add(1, Ordering::AcqRel);
         let me = self.me.clone();
@@ -692,6 +703,9 @@ async fn read_stream(
     }
     let Some(t) = me.upgrade() else { return Ok(()) };
     t.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+    t.stats
+        .bytes_received
+        .fetch_add((hbytes.len() + payload.len()) as u64, Ordering::Relaxed);
     let src = header.src as usize;
     if src >= t.world {
         return Err(Error::Protocol(format!(
