@@ -25,8 +25,22 @@ $(BUILT): $(STAMP) $(RUST_SRC)
 
 build-dev: $(BUILT)
 
+TRAIN := env OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --backend mcp
+
+# The main job: DDP training over MCP in two processes, on a lossy private link when this
+# machine allows it (root, iproute2, nftables: installed from Debian if missing), else loopback.
 demo: $(BUILT)
-	$(PY) examples/collectives_demo.py --world 3
+	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null && ! command -v nft >/dev/null \
+	    && command -v apt-get >/dev/null; then \
+	  apt-get install -y -qq nftables >/dev/null 2>&1 || true; fi
+	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null && command -v nft >/dev/null; then \
+	  echo "== DDP over MCP, 2 ranks, 10% random packet loss (mcp-chaos network namespace)"; \
+	  $(VENV)/bin/mcp-chaos --loss 0.1 --timeout 600 -- $(TRAIN); \
+	else \
+	  echo "== DDP over MCP, 2 ranks, loopback (root with iproute2+nftables adds a lossy link)"; \
+	  $(TRAIN); \
+	fi
+	$(PY) examples/collectives_demo.py --world 3 --mib 16
 
 lint: $(STAMP)
 	cargo fmt --all -- --check

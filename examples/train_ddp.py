@@ -56,9 +56,8 @@ def main() -> int:
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     xs, ys, xt, yt = data(rank, world)
     steps = len(xs) // args.batch
-    pg = dist.distributed_c10d._get_default_group()
-    backend = pg._get_backend(torch.device("cpu")) if args.backend == "mcp" else None
-    mcp_group = getattr(backend, "mcp_group", None)
+    # With "mcp", the default group is our ProcessGroup: its mcp_group has the counters.
+    mcp_group = getattr(dist.group.WORLD, "mcp_group", None)
     rows = []
     t_start = time.perf_counter()
     for epoch in range(args.epochs):
