@@ -154,3 +154,34 @@ def closed_group(rank: int, world: int) -> None:
     g = mcp.init(timeout=10)
     g.close()
     g.barrier()
+
+
+def under_chaos(rank: int, world: int, spec: str) -> dict[str, Any]:
+    """Collectives through a lossy, reordering socket: the results must be exact."""
+    out: dict[str, Any] = {}
+    with mcp.init(timeout=120, chaos=spec) as g:
+        for n in (1000, 300_001):
+            a = data("float32", "sum", rank, n)
+            g.all_reduce(a)
+            out[f"all_reduce/{n}"] = a
+        b = data("int64", "sum", 0, 50_000) if rank == 0 else np.zeros(50_000, "int64")
+        g.broadcast(b, src=0)
+        out["broadcast"] = b
+        out["stats"] = g.chaos_stats()
+    return out
+
+
+def corrupted(rank: int, world: int) -> None:
+    with mcp.init(timeout=30, chaos="corrupt=1.0,seed=3") as g:
+        g.all_reduce(np.ones(10_000, "float32"))
+
+
+def cut_off(rank: int, world: int) -> None:
+    g = mcp.init(timeout=60, idle_timeout=2.0, chaos="loss=0,seed=1")
+    a = np.ones(1000, "float32")
+    g.all_reduce(a)
+    if rank == 1:
+        g.chaos_kill()  # this host vanishes from the network
+        time.sleep(6)
+        return
+    g.all_reduce(a)

@@ -19,7 +19,7 @@ from .errors import (
     SpecMismatchError,
     VersionMismatchError,
 )
-from .group import Group, Work, init
+from .group import Chaos, Group, Work, init
 from .guards import GradientGuard, GuardResult
 
 __version__: str = _core.__version__
@@ -31,6 +31,7 @@ __all__ = [
     "delta",
     "guards",
     "AuthenticationError",
+    "Chaos",
     "GradientError",
     "GradientGuard",
     "Group",

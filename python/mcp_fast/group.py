@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from . import _core
@@ -91,6 +92,15 @@ class Group:
         """Transport counters: frames_sent/received, bytes_sent/received, corrupt_frames,
         refused_handshakes."""
         return self.core.stats()
+
+    def chaos_kill(self) -> None:
+        """Cut this process off the network (needs ``chaos=`` at init): every datagram in and
+        out is dropped from now on, as if the host vanished."""
+        self.core.chaos_kill()
+
+    def chaos_stats(self) -> dict[str, int]:
+        """The fault injector's counters (empty without ``chaos=``)."""
+        return self.core.chaos_stats()
 
     def rtt(self, peer: int) -> float | None:
         """Smoothed round-trip time to ``peer`` in seconds, once connected."""
@@ -207,6 +217,46 @@ def _tag(tag: int) -> int:
     return tag
 
 
+@dataclass(frozen=True)
+class Chaos:
+    """Faults to inject, for testing a program against a bad network.
+
+    Under QUIC (per datagram, seeded): ``loss`` probability (``burst``: chance a loss starts
+    a burst of ``burst_len``), ``duplicate``, ``reorder``, ``delay``/``jitter`` (seconds),
+    ``rate`` (bits/s). Above QUIC: ``corrupt``, the probability that a frame's payload gets
+    one bit flipped before sending, as host memory errors would (the frame CRC catches it:
+    the operation fails with ProtocolError).
+    """
+
+    loss: float = 0.0
+    corrupt: float = 0.0
+    seed: int = 0
+    delay: float = 0.0
+    jitter: float = 0.0
+    rate: int | None = None
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    burst: float = 0.0
+    burst_len: int = 1
+
+    def __str__(self) -> str:
+        parts = [f"seed={self.seed}", f"loss={self.loss}", f"corrupt={self.corrupt}"]
+        if self.delay:
+            parts.append(f"delay={self.delay * 1e3:g}ms")
+        if self.jitter:
+            parts.append(f"jitter={self.jitter * 1e3:g}ms")
+        if self.rate:
+            parts.append(f"rate={self.rate}")
+        if self.duplicate:
+            parts.append(f"dup={self.duplicate}")
+        if self.reorder:
+            parts.append(f"reorder={self.reorder}")
+        if self.burst:
+            parts.append(f"burst={self.burst}")
+            parts.append(f"burst_len={self.burst_len}")
+        return ",".join(parts)
+
+
 _live_groups: weakref.WeakSet[Group] = weakref.WeakSet()
 
 
@@ -239,6 +289,7 @@ def init(
     connect_timeout: float | None = None,
     idle_timeout: float = 30.0,
     chunk_bytes: int = 1 << 20,
+    chaos: Chaos | str | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -248,7 +299,8 @@ def init(
     ``secret`` defaults to ``MCP_SECRET``; without either, rank 0 generates one and hands it
     to the others at the rendezvous (see the README for what that trusts). ``timeout`` bounds
     every operation (default ``MCP_TIMEOUT`` or 300 s); ``connect_timeout`` bounds the
-    rendezvous (default: ``timeout``).
+    rendezvous (default: ``timeout``). ``chaos`` (default ``MCP_CHAOS``) injects faults:
+    ``Chaos(loss=0.2, seed=1)`` or ``"loss=0.2,delay=5ms,rate=1gbit,seed=1"``.
     """
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
@@ -266,6 +318,8 @@ def init(
     secret_bytes = secret.encode() if isinstance(secret, str) else secret
     if timeout is None:
         timeout = float(os.environ.get("MCP_TIMEOUT", "300"))
+    if chaos is None:
+        chaos = os.environ.get("MCP_CHAOS") or None
     core = _core.ProcessGroup(
         rank,
         world_size,
@@ -277,5 +331,6 @@ def init(
         idle_timeout=idle_timeout,
         chunk_bytes=chunk_bytes,
         protocol_major=_protocol_major,
+        chaos=str(chaos) if chaos is not None else None,
     )
     return Group(core)

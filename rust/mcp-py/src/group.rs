@@ -134,7 +134,7 @@ impl ProcessGroup {
     #[new]
     #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
-                        small_bytes=65536, protocol_major=None, on_bound=None))]
+                        small_bytes=65536, protocol_major=None, on_bound=None, chaos=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -150,6 +150,7 @@ impl ProcessGroup {
         small_bytes: usize,
         protocol_major: Option<u8>,
         on_bound: Option<Py<PyAny>>,
+        chaos: Option<&str>,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -165,6 +166,12 @@ impl ProcessGroup {
         cfg.idle_timeout = seconds("idle_timeout", idle_timeout)?;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
+        }
+        if let Some(spec) = chaos {
+            cfg.chaos = Some(
+                mcp_core::transport::quic::chaos::ChaosConfig::parse(spec)
+                    .map_err(|e| PyValueError::new_err(format!("chaos {spec:?}: {e}")))?,
+            );
         }
         let gcfg = GroupConfig {
             timeout: seconds("timeout", timeout)?,
@@ -232,6 +239,34 @@ impl ProcessGroup {
             ("corrupt_frames", s.corrupt_frames.load(Relaxed)),
             ("bytes_sent", s.bytes_sent.load(Relaxed)),
             ("bytes_received", s.bytes_received.load(Relaxed)),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    /// Cuts this process off the network (needs `chaos=` at init): every datagram in and
+    /// out is dropped from now on.
+    fn chaos_kill(&self, py: Python<'_>) -> PyResult<()> {
+        self.group
+            .transport()
+            .chaos_kill()
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// The fault injector's counters (empty without `chaos=`).
+    fn chaos_stats(&self) -> std::collections::HashMap<&'static str, u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(s) = self.group.transport().chaos_stats() else {
+            return Default::default();
+        };
+        [
+            ("sent", s.sent.load(Relaxed)),
+            ("send_dropped", s.send_dropped.load(Relaxed)),
+            ("rate_dropped", s.rate_dropped.load(Relaxed)),
+            ("duplicated", s.duplicated.load(Relaxed)),
+            ("delayed", s.delayed.load(Relaxed)),
+            ("received", s.received.load(Relaxed)),
+            ("recv_dropped", s.recv_dropped.load(Relaxed)),
         ]
         .into_iter()
         .collect()

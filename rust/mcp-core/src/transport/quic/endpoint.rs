@@ -149,15 +149,31 @@ pub(super) fn bind_socket(addr: SocketAddr, is_master: bool) -> Result<BoundSock
     })
 }
 
-/// Makes the QUIC endpoint of a bound socket.
-pub(super) fn endpoint(sock: BoundSocket, server: quinn::ServerConfig) -> Result<Endpoint> {
+/// Makes the QUIC endpoint of a bound socket, through the fault injector when `chaos` is set.
+pub(super) fn endpoint(
+    sock: BoundSocket,
+    server: quinn::ServerConfig,
+    chaos: Option<super::chaos::ChaosConfig>,
+    kill: Arc<std::sync::atomic::AtomicBool>,
+) -> Result<(Endpoint, Option<Arc<super::chaos::ChaosStats>>)> {
     let mut ep_cfg = EndpointConfig::default();
     ep_cfg
         .max_udp_payload_size(65_527)
         .map_err(|e| Error::Io(format!("endpoint config: {e}")))?;
     let runtime =
         quinn::default_runtime().ok_or_else(|| Error::Io("no async runtime for QUIC".into()))?;
-    Ok(Endpoint::new(ep_cfg, Some(server), sock.socket, runtime)?)
+    match chaos {
+        None => Ok((
+            Endpoint::new(ep_cfg, Some(server), sock.socket, runtime)?,
+            None,
+        )),
+        Some(cfg) => {
+            let socket = super::chaos::ChaosSocket::wrap(sock.socket, cfg, kill)?;
+            let stats = socket.stats();
+            let ep = Endpoint::new_with_abstract_socket(ep_cfg, Some(server), socket, runtime)?;
+            Ok((ep, Some(stats)))
+        }
+    }
 }
 
 /// The local address the kernel would use to reach `target` (no packet is sent).

@@ -7,7 +7,7 @@ mod endpoint;
 mod rendezvous;
 pub mod tls;
 
-use super::{Frame, Mailbox, MsgKey, Payload, Transport};
+use super::{Frame, Lane, Mailbox, MsgKey, Payload, Transport};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::wire::{FrameKind, Header, HEADER_FIXED, PROTOCOL_MAJOR, PROTOCOL_MINOR};
@@ -54,6 +54,9 @@ pub struct QuicConfig {
     pub idle_timeout: Duration,
     /// The protocol major version to announce (tests set another to check refusal).
     pub protocol_major: u8,
+    /// Faults to inject under QUIC (loss, delay, rate cap, ...) and corruption of frame
+    /// payloads above it; `None` for a clean socket.
+    pub chaos: Option<chaos::ChaosConfig>,
 }
 
 impl QuicConfig {
@@ -67,6 +70,7 @@ impl QuicConfig {
             connect_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(30),
             protocol_major: PROTOCOL_MAJOR,
+            chaos: None,
         }
     }
 }
@@ -112,6 +116,9 @@ pub struct QuicTransport {
     closing: AtomicBool,
     unacked_streams: AtomicUsize,
     stats: QuicStats,
+    chaos_kill: Arc<AtomicBool>,
+    chaos_stats: Option<Arc<chaos::ChaosStats>>,
+    corrupter: Option<Mutex<rand::rngs::StdRng>>,
 }
 
 impl QuicTransport {
@@ -156,7 +163,14 @@ impl QuicTransport {
             alpns.push(tls::ALPN_BOOTSTRAP.to_vec());
         }
         let server_cfg = endpoint::server_config(&identity, alpns, &cfg, &sock)?;
-        let ep = endpoint::endpoint(sock, server_cfg)?;
+        let chaos_kill = Arc::new(AtomicBool::new(false));
+        let (ep, chaos_stats) =
+            endpoint::endpoint(sock, server_cfg, cfg.chaos, chaos_kill.clone())?;
+        let corrupter = cfg.chaos.filter(|c| c.corrupt > 0.0).map(|c| {
+            Mutex::new(<rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(
+                c.seed ^ cfg.rank as u64,
+            ))
+        });
         let world = cfg.world_size;
         let t = Arc::new_cyclic(|me| QuicTransport {
             rank: cfg.rank,
@@ -179,6 +193,9 @@ impl QuicTransport {
             closing: AtomicBool::new(false),
             unacked_streams: AtomicUsize::new(0),
             stats: QuicStats::default(),
+            chaos_kill,
+            chaos_stats,
+            corrupter,
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
         let res = match t.local_addr().and_then(bound) {
@@ -219,6 +236,23 @@ impl QuicTransport {
             .borrow()
             .as_ref()
             .map(|c| c.rtt())
+    }
+
+    /// Cuts this process off the network (chaos kill switch): every datagram in and out is
+    /// dropped from now on, as if the host had vanished. Only with a chaos configuration.
+    pub fn chaos_kill(&self) -> Result<()> {
+        if self.chaos_stats.is_none() {
+            return Err(Error::InvalidArgument(
+                "the kill switch needs chaos=... at init".into(),
+            ));
+        }
+        self.chaos_kill.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// The fault injector's counters, when chaos is configured.
+    pub fn chaos_stats(&self) -> Option<&chaos::ChaosStats> {
+        self.chaos_stats.as_deref()
     }
 
     /// Path statistics of the connection to `peer` (RTT, congestion window, MTU, packets
@@ -364,6 +398,33 @@ impl QuicTransport {
         header: &Header,
         payload: &[u8],
     ) -> std::result::Result<(), WriteFail> {
+        // Corruption above QUIC (as a flipped bit in host memory would be): QUIC's AEAD cannot
+        // see it; the frame CRC must.
+        let corrupted;
+        let payload = match &self.corrupter {
+            Some(rng)
+                if !payload.is_empty()
+                    && Lane::of(header.kind) != Lane::Control
+                    && header.kind != FrameKind::Abort =>
+            {
+                let flip = {
+                    let mut rng = rng.lock().unwrap_or_else(|p| p.into_inner());
+                    let p = self.cfg.chaos.map(|c| c.corrupt).unwrap_or(0.0);
+                    rand::Rng::random_bool(&mut *rng, p.clamp(0.0, 1.0))
+                        .then(|| rand::Rng::random_range(&mut *rng, 0..payload.len() * 8))
+                };
+                match flip {
+                    Some(bit) => {
+                        let mut copy = payload.to_vec();
+                        copy[bit / 8] ^= 1 << (bit % 8);
+                        corrupted = copy;
+                        &corrupted[..]
+                    }
+                    None => payload,
+                }
+            }
+            _ => payload,
+        };
         let mut buf = Vec::with_capacity(
             header.encoded_len()
                 + if payload.len() <= 16384 {

@@ -1,0 +1,50 @@
+"""Fault injection: collectives stay exact through loss and reordering; corruption and a cut
+link surface as typed errors on every rank."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mcp_fast as mcp
+from _launch import Failure, ok, run
+from workers import data
+
+
+@pytest.mark.parametrize("spec", ["loss=0.2,seed=1", "loss=0.05,reorder=0.05,dup=0.02,seed=7"])
+def test_collectives_are_exact_through_a_lossy_socket(spec: str) -> None:
+    world = 2
+    results = ok(run("under_chaos", world, spec, timeout=240))
+    for out in results:
+        for n in (1000, 300_001):
+            want = sum(data("float32", "sum", r, n) for r in range(world))
+            np.testing.assert_array_equal(out[f"all_reduce/{n}"], want)
+        np.testing.assert_array_equal(out["broadcast"], data("int64", "sum", 0, 50_000))
+        assert out["stats"]["sent"] > 0
+        assert out["stats"]["send_dropped"] + out["stats"]["recv_dropped"] > 0, out["stats"]
+
+
+def test_corrupted_payloads_fail_the_operation_on_every_rank() -> None:
+    for f in run("corrupted", 2, timeout=90):
+        assert isinstance(f, Failure) and f.type == "ProtocolError", f
+        assert "checksum" in f.message
+
+
+def test_a_host_cut_off_the_network_is_a_lost_peer() -> None:
+    t0 = time.monotonic()
+    res = run("cut_off", 2, timeout=90)
+    assert isinstance(res[0], Failure) and res[0].type == "PeerLostError", res[0]
+    assert res[0].attrs.get("rank") == 1
+    assert time.monotonic() - t0 < 40
+
+
+def test_chaos_spec_errors_name_the_key() -> None:
+    from _launch import free_port
+
+    with pytest.raises(ValueError, match="loss"):
+        mcp.init(rank=0, world_size=1, master_port=free_port(), chaos="loss=2")
+    with pytest.raises(ValueError, match="unknown key"):
+        mcp.init(rank=0, world_size=1, master_port=free_port(), chaos="drop=0.1")
+    assert str(mcp.Chaos(loss=0.2, seed=1)) == "seed=1,loss=0.2,corrupt=0.0"
