@@ -110,3 +110,12 @@ def test_different_collectives_are_an_error_on_every_rank() -> None:
     res = run("torch_workers.wrong_collective", 2, timeout=90)
     for f in res:
         assert isinstance(f, Failure) and "SpecMismatchError" in f.message, f
+
+
+def test_int8_with_error_feedback_converges_like_uncompressed() -> None:
+    pytest.importorskip("sklearn")
+    plain = ok(run("torch_workers.digits_loss", 2, None, timeout=180))
+    int8 = ok(run("torch_workers.digits_loss", 2, "int8", timeout=180))
+    assert plain[0] == plain[1] and int8[0] == int8[1]
+    assert int8[0] != plain[0], "the hook changed nothing: was it applied?"
+    assert abs(int8[0] - plain[0]) <= 0.02 * plain[0], (int8[0], plain[0])

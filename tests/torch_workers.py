@@ -225,3 +225,39 @@ def wrong_collective(rank: int, world: int) -> None:
         dist.barrier()  # ... so it hears of the mismatch at its next operation
     else:
         dist.all_reduce(t)
+
+
+def digits_loss(rank: int, world: int, codec: str | None, epochs: int = 6) -> float:
+    """Trains the digits MLP with DDP over "mcp", optionally through the compression hook;
+    returns the final training loss averaged over ranks."""
+    from sklearn.datasets import load_digits
+
+    from mcp_fast.torch import CompressionState, compression_hook
+
+    _init()
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)[rank::world]
+    y = torch.tensor(y, dtype=torch.long)[rank::world]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if codec is not None:
+        ddp.register_comm_hook(CompressionState(codec=codec, block=64), compression_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    last = 0.0
+    for _ in range(epochs):
+        total = 0.0
+        steps = len(x) // 32
+        for i in range(steps):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(
+                ddp(x[i * 32 : (i + 1) * 32]), y[i * 32 : (i + 1) * 32]
+            )
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        last = total / steps
+    t = torch.tensor([last])
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    dist.destroy_process_group()
+    return float(t.item())

@@ -185,3 +185,22 @@ def cut_off(rank: int, world: int) -> None:
         time.sleep(6)
         return
     g.all_reduce(a)
+
+
+def coded_collectives(rank: int, world: int) -> dict[str, Any]:
+    """all_reduce / all_gather / broadcast / send-recv with each codec."""
+    out: dict[str, Any] = {}
+    rng = np.random.default_rng(rank)
+    with mcp.init(timeout=60) as g:
+        for codec in ["fp16", "bf16", "int8", "lossless"]:
+            a = rng.uniform(-1, 1, 100_003).astype("float32")
+            out[f"in/{codec}"] = a.copy()
+            g.all_reduce(a, codec=codec, block=128)
+            out[f"all_reduce/{codec}"] = a
+            gathered = np.empty((world, 1000), "float32")
+            g.all_gather(gathered, out[f"in/{codec}"][:1000].copy(), codec=codec)
+            out[f"all_gather/{codec}"] = gathered
+        b = np.linspace(-3, 3, 4096, dtype="float32") if rank == 0 else np.zeros(4096, "float32")
+        g.broadcast(b, src=0, codec="bf16")
+        out["broadcast"] = b
+    return out

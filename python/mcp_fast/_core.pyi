@@ -8,6 +8,7 @@ PROTOCOL_MINOR: int
 __version__: str
 
 def reduce_into(dst_ptr: int, src_ptr: int, nbytes: int, dtype: str, op: str) -> None: ...
+def codec_round_trip(ptr: int, nbytes: int, dtype: str, codec: str, block: int = 256) -> None: ...
 
 class Work:
     def wait(self, timeout: float | None = None) -> bool: ...
@@ -53,9 +54,19 @@ class ProcessGroup:
         op: str,
         algorithm: str,
         keepalive: Any,
+        codec: str = ...,
+        block: int = ...,
     ) -> Work: ...
     def broadcast(
-        self, ptr: int, nbytes: int, dtype: str, shape: list[int], src: int, keepalive: Any
+        self,
+        ptr: int,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        src: int,
+        keepalive: Any,
+        codec: str = ...,
+        block: int = ...,
     ) -> Work: ...
     def all_gather(
         self,
@@ -67,6 +78,8 @@ class ProcessGroup:
         in_shape: list[int],
         dtype: str,
         keepalive: Any,
+        codec: str = ...,
+        block: int = ...,
     ) -> Work: ...
     def reduce_scatter(
         self,
@@ -79,6 +92,8 @@ class ProcessGroup:
         dtype: str,
         op: str,
         keepalive: Any,
+        codec: str = ...,
+        block: int = ...,
     ) -> Work: ...
     def barrier(self) -> Work: ...
     def send(
@@ -90,6 +105,8 @@ class ProcessGroup:
         dst: int,
         tag: int,
         keepalive: Any,
+        codec: str = ...,
+        block: int = ...,
     ) -> Work: ...
     def recv(
         self,
@@ -100,6 +117,8 @@ class ProcessGroup:
         src: int,
         tag: int,
         keepalive: Any,
+        codec: str = ...,
+        block: int = ...,
     ) -> Work: ...
     def close(self) -> None: ...
 

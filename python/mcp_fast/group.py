@@ -107,28 +107,54 @@ class Group:
         return self.core.rtt(peer)
 
     def all_reduce(
-        self, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False
+        self,
+        tensor: Any,
+        op: Any = "sum",
+        algorithm: str = "auto",
+        async_op: bool = False,
+        codec: str = "none",
+        block: int = 256,
     ) -> Work | None:
         """Reduce ``tensor`` across ranks, in place. ``algorithm``: auto, ring, tree,
-        recursive_doubling (auto picks recursive doubling up to 64 KiB, ring above)."""
+        recursive_doubling (auto picks recursive doubling up to 64 KiB, ring above).
+
+        ``codec`` compresses what travels: ``"fp16"``/``"bf16"`` (round to nearest even),
+        ``"int8"`` (blockwise scale, ``block`` elements per scale), ``"lossless"``
+        (byte planes + zstd, bit-exact). Partial sums accumulate in the tensor's precision and
+        are re-encoded at each hop; every rank ends with the same bits."""
         if algorithm not in _ALGORITHMS:
             raise ValueError(
                 f"unknown algorithm {algorithm!r}; use auto, ring, tree or recursive_doubling"
             )
         b = view(tensor, name="all_reduce tensor", writable=True)
         w = self.core.all_reduce(
-            b.ptr, b.nbytes, b.dtype, list(b.shape), _op_name(op), algorithm, b.obj
+            b.ptr, b.nbytes, b.dtype, list(b.shape), _op_name(op), algorithm, b.obj, codec, block
         )
         return _finish(w, async_op)
 
-    def broadcast(self, tensor: Any, src: int = 0, async_op: bool = False) -> Work | None:
-        """Copy rank ``src``'s ``tensor`` into every other rank's, in place."""
+    def broadcast(
+        self,
+        tensor: Any,
+        src: int = 0,
+        async_op: bool = False,
+        codec: str = "none",
+        block: int = 256,
+    ) -> Work | None:
+        """Copy rank ``src``'s ``tensor`` into every other rank's, in place (with a lossy
+        ``codec``, the root's tensor too becomes what the others decode)."""
         self._check_rank(src, "src")
         b = view(tensor, name="broadcast tensor", writable=True)
-        w = self.core.broadcast(b.ptr, b.nbytes, b.dtype, list(b.shape), src, b.obj)
+        w = self.core.broadcast(b.ptr, b.nbytes, b.dtype, list(b.shape), src, b.obj, codec, block)
         return _finish(w, async_op)
 
-    def all_gather(self, out: Any, tensor: Any, async_op: bool = False) -> Work | None:
+    def all_gather(
+        self,
+        out: Any,
+        tensor: Any,
+        async_op: bool = False,
+        codec: str = "none",
+        block: int = 256,
+    ) -> Work | None:
         """Gather every rank's ``tensor`` into ``out`` of shape ``(world_size, *tensor.shape)``."""
         i = view(tensor, name="all_gather input", writable=False)
         o = view(out, name="all_gather output", writable=True)
@@ -140,12 +166,27 @@ class Group:
                 f"(world_size, *input.shape), got {o.shape}"
             )
         w = self.core.all_gather(
-            o.ptr, o.nbytes, list(o.shape), i.ptr, i.nbytes, list(i.shape), i.dtype, (o.obj, i.obj)
+            o.ptr,
+            o.nbytes,
+            list(o.shape),
+            i.ptr,
+            i.nbytes,
+            list(i.shape),
+            i.dtype,
+            (o.obj, i.obj),
+            codec,
+            block,
         )
         return _finish(w, async_op)
 
     def reduce_scatter(
-        self, out: Any, tensor: Any, op: Any = "sum", async_op: bool = False
+        self,
+        out: Any,
+        tensor: Any,
+        op: Any = "sum",
+        async_op: bool = False,
+        codec: str = "none",
+        block: int = 256,
     ) -> Work | None:
         """Reduce ``tensor`` (world_size times ``out``'s elements) across ranks and leave this
         rank's block of the result in ``out``. ``tensor`` is not modified."""
@@ -168,6 +209,8 @@ class Group:
             i.dtype,
             _op_name(op),
             (o.obj, i.obj),
+            codec,
+            block,
         )
         return _finish(w, async_op)
 
@@ -175,18 +218,38 @@ class Group:
         """Return once every rank has entered the barrier."""
         return _finish(self.core.barrier(), async_op)
 
-    def send(self, tensor: Any, dst: int, tag: int = 0, async_op: bool = False) -> Work | None:
+    def send(
+        self,
+        tensor: Any,
+        dst: int,
+        tag: int = 0,
+        async_op: bool = False,
+        codec: str = "none",
+        block: int = 256,
+    ) -> Work | None:
         """Send ``tensor`` to rank ``dst``; matched in order with that rank's ``recv``."""
         self._check_rank(dst, "dst")
         b = view(tensor, name="send tensor", writable=False)
-        w = self.core.send(b.ptr, b.nbytes, b.dtype, list(b.shape), dst, _tag(tag), b.obj)
+        w = self.core.send(
+            b.ptr, b.nbytes, b.dtype, list(b.shape), dst, _tag(tag), b.obj, codec, block
+        )
         return _finish(w, async_op)
 
-    def recv(self, tensor: Any, src: int, tag: int = 0, async_op: bool = False) -> Work | None:
+    def recv(
+        self,
+        tensor: Any,
+        src: int,
+        tag: int = 0,
+        async_op: bool = False,
+        codec: str = "none",
+        block: int = 256,
+    ) -> Work | None:
         """Receive into ``tensor`` from rank ``src`` (same dtype and shape as sent)."""
         self._check_rank(src, "src")
         b = view(tensor, name="recv tensor", writable=True)
-        w = self.core.recv(b.ptr, b.nbytes, b.dtype, list(b.shape), src, _tag(tag), b.obj)
+        w = self.core.recv(
+            b.ptr, b.nbytes, b.dtype, list(b.shape), src, _tag(tag), b.obj, codec, block
+        )
         return _finish(w, async_op)
 
     def close(self) -> None:

@@ -11,8 +11,9 @@ runs every collective of torch.distributed, DistributedDataParallel included, ov
 from __future__ import annotations
 
 from .backend import MCPProcessGroup, register
+from .hooks import CompressionState, compression_hook
 
-__all__ = ["MCPProcessGroup", "autoload", "register"]
+__all__ = ["CompressionState", "MCPProcessGroup", "autoload", "compression_hook", "register"]
 
 
 def autoload() -> None:

@@ -4,6 +4,7 @@
 //! `cargo run --release -p mcp-core --example quic_allreduce -- BYTES ITERS`
 
 use mcp_core::transport::quic::{QuicConfig, QuicTransport};
+use mcp_core::wire::Codec;
 use mcp_core::{Algorithm, DType, Group, GroupConfig, RawBuf, ReduceOp, Tensor};
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};
@@ -40,6 +41,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                             buf,
                             dtype: DType::F32,
                             shape: &shape,
+                            codec: Codec::None,
                         },
                         ReduceOp::Sum,
                         Algorithm::Auto,

@@ -74,10 +74,20 @@ pub struct Tensor<'a> {
     pub dtype: DType,
     /// Its dimensions.
     pub shape: &'a [u64],
+    /// How it travels on the wire (every rank must agree; lossy codecs take float32).
+    pub codec: Codec,
 }
 
 impl Tensor<'_> {
     fn check(&self, what: &str) -> Result<usize> {
+        self.codec.check(self.dtype)?;
+        if let Codec::Int8 { block } = self.codec {
+            if !block.is_power_of_two() || block < 8 {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: int8 block size must be a power of two of at least 8, got {block}"
+                )));
+            }
+        }
         if self.shape.len() > MAX_DIMS {
             return Err(Error::InvalidArgument(format!(
                 "{what}: tensors of at most {MAX_DIMS} dimensions are supported, got {}",
@@ -105,7 +115,7 @@ impl Tensor<'_> {
         ModelSpec {
             dtype: self.dtype,
             op,
-            codec: Codec::None,
+            codec: self.codec,
             shape: self.shape.to_vec(),
         }
     }

@@ -2,6 +2,7 @@
 //! TLS, version negotiation and a collective over real sockets.
 
 use mcp_core::transport::quic::{QuicConfig, QuicTransport};
+use mcp_core::wire::Codec;
 use mcp_core::{Algorithm, DType, Error, Group, GroupConfig, RawBuf, ReduceOp, Tensor};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
@@ -50,6 +51,7 @@ async fn all_reduce_over(ts: Vec<Arc<QuicTransport>>, n: usize) {
                         buf,
                         dtype: DType::F32,
                         shape: &shape,
+                        codec: Codec::None,
                     },
                     ReduceOp::Sum,
                     Algorithm::Auto,

@@ -7,6 +7,7 @@ use crate::errors::to_py;
 use crate::runtime::runtime;
 use crate::work::{Work, WorkState};
 use mcp_core::transport::quic::{QuicConfig, QuicTransport};
+use mcp_core::wire::Codec;
 use mcp_core::{Algorithm, DType, Error, Group, GroupConfig, OpFuture, RawBuf, ReduceOp, Tensor};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -60,11 +61,12 @@ impl Arg {
         Ok(Arg { buf, dtype, shape })
     }
 
-    fn tensor(&self) -> Tensor<'_> {
+    fn tensor(&self, codec: Codec) -> Tensor<'_> {
         Tensor {
             buf: self.buf,
             dtype: self.dtype,
             shape: &self.shape,
+            codec,
         }
     }
 }
@@ -98,6 +100,29 @@ pub fn reduce_into(
     };
     py.detach(|| mcp_core::reduce::reduce_into(dtype, op, dst, src))
         .map_err(|e| to_py(py, e))
+}
+
+/// Replaces the buffer by what a peer would decode after `codec` (error feedback uses it).
+#[pyfunction]
+#[pyo3(signature = (ptr, nbytes, dtype, codec, block=256))]
+pub fn codec_round_trip(py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, codec: &str, block: u32) -> PyResult<()> {
+    let dtype = DType::from_name(dtype).map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
+    let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
+    if nbytes == 0 {
+        return Ok(());
+    }
+    if ptr == 0 {
+        return Err(PyValueError::new_err("null buffer address"));
+    }
+    // SAFETY: the Python wrapper passes a live, writable, C-contiguous array of `nbytes`
+    // bytes and holds it during this call.
+    let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, nbytes) };
+    py.detach(|| {
+        let mut enc = Vec::new();
+        mcp_core::codec::encode(codec, dtype, buf, &mut enc)?;
+        mcp_core::codec::decode(codec, dtype, &enc, buf)
+    })
+    .map_err(|e| to_py(py, e))
 }
 
 /// The ranks of one job, connected over QUIC with mutual TLS.
@@ -278,6 +303,7 @@ impl ProcessGroup {
     }
 
     /// All-reduce in place.
+    #[pyo3(signature = (ptr, nbytes, dtype, shape, op, algorithm, keepalive, codec="none", block=256))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -289,15 +315,19 @@ impl ProcessGroup {
         op: &str,
         algorithm: &str,
         keepalive: Py<PyAny>,
+        codec: &str,
+        block: u32,
     ) -> PyResult<Work> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let a = Arg::new(ptr, nbytes, dtype, shape)?;
         let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
         let algo = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
-        let fut = self.group.all_reduce(a.tensor(), op, algo);
+        let fut = self.group.all_reduce(a.tensor(codec), op, algo);
         self.start(py, "all_reduce", fut, keepalive)
     }
 
     /// Broadcast in place from `src`.
+    #[pyo3(signature = (ptr, nbytes, dtype, shape, src, keepalive, codec="none", block=256))]
     #[allow(clippy::too_many_arguments)]
     fn broadcast(
         &self,
@@ -308,13 +338,17 @@ impl ProcessGroup {
         shape: Vec<u64>,
         src: usize,
         keepalive: Py<PyAny>,
+        codec: &str,
+        block: u32,
     ) -> PyResult<Work> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let a = Arg::new(ptr, nbytes, dtype, shape)?;
-        let fut = self.group.broadcast(a.tensor(), src);
+        let fut = self.group.broadcast(a.tensor(codec), src);
         self.start(py, "broadcast", fut, keepalive)
     }
 
     /// All-gather `input` into `out`.
+    #[pyo3(signature = (out_ptr, out_nbytes, out_shape, in_ptr, in_nbytes, in_shape, dtype, keepalive, codec="none", block=256))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
@@ -327,14 +361,18 @@ impl ProcessGroup {
         in_shape: Vec<u64>,
         dtype: &str,
         keepalive: Py<PyAny>,
+        codec: &str,
+        block: u32,
     ) -> PyResult<Work> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let o = Arg::new(out_ptr, out_nbytes, dtype, out_shape)?;
         let i = Arg::new(in_ptr, in_nbytes, dtype, in_shape)?;
-        let fut = self.group.all_gather(o.tensor(), i.tensor());
+        let fut = self.group.all_gather(o.tensor(codec), i.tensor(codec));
         self.start(py, "all_gather", fut, keepalive)
     }
 
     /// Reduce-scatter `input` into `out`.
+    #[pyo3(signature = (out_ptr, out_nbytes, out_shape, in_ptr, in_nbytes, in_shape, dtype, op, keepalive, codec="none", block=256))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
@@ -348,11 +386,16 @@ impl ProcessGroup {
         dtype: &str,
         op: &str,
         keepalive: Py<PyAny>,
+        codec: &str,
+        block: u32,
     ) -> PyResult<Work> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let o = Arg::new(out_ptr, out_nbytes, dtype, out_shape)?;
         let i = Arg::new(in_ptr, in_nbytes, dtype, in_shape)?;
         let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
-        let fut = self.group.reduce_scatter(o.tensor(), i.tensor(), op);
+        let fut = self
+            .group
+            .reduce_scatter(o.tensor(codec), i.tensor(codec), op);
         self.start(py, "reduce_scatter", fut, keepalive)
     }
 
@@ -363,6 +406,7 @@ impl ProcessGroup {
     }
 
     /// Send to `dst`.
+    #[pyo3(signature = (ptr, nbytes, dtype, shape, dst, tag, keepalive, codec="none", block=256))]
     #[allow(clippy::too_many_arguments)]
     fn send(
         &self,
@@ -374,13 +418,17 @@ impl ProcessGroup {
         dst: usize,
         tag: u32,
         keepalive: Py<PyAny>,
+        codec: &str,
+        block: u32,
     ) -> PyResult<Work> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let a = Arg::new(ptr, nbytes, dtype, shape)?;
-        let fut = self.group.send(a.tensor(), dst, tag);
+        let fut = self.group.send(a.tensor(codec), dst, tag);
         self.start(py, "send", fut, keepalive)
     }
 
     /// Receive from `src`.
+    #[pyo3(signature = (ptr, nbytes, dtype, shape, src, tag, keepalive, codec="none", block=256))]
     #[allow(clippy::too_many_arguments)]
     fn recv(
         &self,
@@ -392,9 +440,12 @@ impl ProcessGroup {
         src: usize,
         tag: u32,
         keepalive: Py<PyAny>,
+        codec: &str,
+        block: u32,
     ) -> PyResult<Work> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let a = Arg::new(ptr, nbytes, dtype, shape)?;
-        let fut = self.group.recv(a.tensor(), src, tag);
+        let fut = self.group.recv(a.tensor(codec), src, tag);
         self.start(py, "recv", fut, keepalive)
     }
 

@@ -16,6 +16,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::ProcessGroup>()?;
     m.add_class::<work::Work>()?;
     m.add_function(wrap_pyfunction!(group::reduce_into, m)?)?;
+    m.add_function(wrap_pyfunction!(group::codec_round_trip, m)?)?;
     delta::register(m)?;
     health::register(m)?;
     m.add("PROTOCOL_MAJOR", mcp_core::wire::PROTOCOL_MAJOR)?;

@@ -41,9 +41,16 @@ pub async fn allgather_ring<T: Transport>(
     let (right, left) = ((r + 1) % w, (r + w - 1) % w);
     let own = &block_chunks[r];
     for (j, c) in own.iter().enumerate() {
-        // SAFETY: block r is never written by the hops below.
-        ctx.send(right, 0, j, own.len(), unsafe { out.slice(c.clone()) })
-            .await?;
+        if ctx.coded() {
+            // Keep in `out` what the peers will decode, so every rank gathers the same bits.
+            // SAFETY: block r is never written by the hops below; one view at a time.
+            let enc = ctx.settle(unsafe { out.slice_mut(c.clone()) })?;
+            ctx.send(right, 0, j, own.len(), &enc).await?;
+        } else {
+            // SAFETY: block r is never written by the hops below.
+            ctx.send(right, 0, j, own.len(), unsafe { out.slice(c.clone()) })
+                .await?;
+        }
     }
     for h in 0..w - 1 {
         let s = (r + w - h - 1) % w;
@@ -51,13 +58,12 @@ pub async fn allgather_ring<T: Transport>(
         for (j, c) in cs.iter().enumerate() {
             let data = ctx.recv(left, h as u32, j, c.len()).await?;
             // SAFETY: the only view of this chunk.
-            data.copy_to(unsafe { out.slice_mut(c.clone()) })?;
+            ctx.store(&data, unsafe { out.slice_mut(c.clone()) })?;
             if h + 1 < w - 1 {
                 // SAFETY: the mutable view above has ended.
-                ctx.send(right, h as u32 + 1, j, cs.len(), unsafe {
-                    out.slice(c.clone())
-                })
-                .await?;
+                let raw = unsafe { out.slice(c.clone()) };
+                ctx.forward(right, h as u32 + 1, j, cs.len(), &data, raw)
+                    .await?;
             }
         }
     }

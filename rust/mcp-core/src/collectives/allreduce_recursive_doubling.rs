@@ -15,6 +15,8 @@ use std::ops::Range;
 const FOLD_STEP: u32 = 0;
 const RESULT_STEP: u32 = 63;
 
+/// Sends `buf`'s chunks to `peer`. With a codec, first replaces them by their decoding
+/// (`settle`), so that both partners of a round add exactly the same two operands.
 async fn send_all<T: Transport>(
     ctx: &OpCtx<'_, T>,
     peer: usize,
@@ -23,9 +25,15 @@ async fn send_all<T: Transport>(
     cs: &[Range<usize>],
 ) -> Result<()> {
     for (j, c) in cs.iter().enumerate() {
-        // SAFETY: the caller holds no mutable view while sending.
-        ctx.send(peer, step, j, cs.len(), unsafe { buf.slice(c.clone()) })
-            .await?;
+        if ctx.coded() {
+            // SAFETY: the caller holds no other view while sending.
+            let enc = ctx.settle(unsafe { buf.slice_mut(c.clone()) })?;
+            ctx.send(peer, step, j, cs.len(), &enc).await?;
+        } else {
+            // SAFETY: the caller holds no mutable view while sending.
+            ctx.send(peer, step, j, cs.len(), unsafe { buf.slice(c.clone()) })
+                .await?;
+        }
     }
     Ok(())
 }
@@ -51,7 +59,7 @@ pub async fn allreduce_recursive_doubling<T: Transport>(
             for (j, c) in cs.iter().enumerate() {
                 let data = ctx.recv(peer, step, j, c.len()).await?;
                 // SAFETY: the only view of this chunk.
-                data.reduce_into(dtype, op, unsafe { buf.slice_mut(c.clone()) })?;
+                ctx.accumulate(&data, op, unsafe { buf.slice_mut(c.clone()) })?;
             }
             Ok::<(), Error>(())
         }
@@ -59,11 +67,15 @@ pub async fn allreduce_recursive_doubling<T: Transport>(
     // Fold: among the first 2*rem ranks, even ones hand their data to the next odd one.
     let newrank = if r < 2 * rem {
         if r % 2 == 0 {
-            send_all(ctx, r + 1, FOLD_STEP, buf, &cs).await?;
+            for (j, c) in cs.iter().enumerate() {
+                // SAFETY: a send only reads the buffer.
+                let raw = unsafe { buf.slice(c.clone()) };
+                ctx.send_data(r + 1, FOLD_STEP, j, cs.len(), raw).await?;
+            }
             for (j, c) in cs.iter().enumerate() {
                 let data = ctx.recv(r + 1, RESULT_STEP, j, c.len()).await?;
                 // SAFETY: the only view of this chunk.
-                data.copy_to(unsafe { buf.slice_mut(c.clone()) })?;
+                ctx.store(&data, unsafe { buf.slice_mut(c.clone()) })?;
             }
             return Ok(());
         }
@@ -93,8 +105,20 @@ pub async fn allreduce_recursive_doubling<T: Transport>(
         // SAFETY: no other view is alive.
         finish_avg(dtype, unsafe { buf.slice_mut(0..buf.len()) }, w)?;
     }
+    if ctx.coded() {
+        // Every rank holds the same sum; all keep its decoding, which is what a folded
+        // partner receives below.
+        for c in &cs {
+            // SAFETY: no other view is alive.
+            ctx.settle(unsafe { buf.slice_mut(c.clone()) })?;
+        }
+    }
     if r < 2 * rem {
-        send_all(ctx, r - 1, RESULT_STEP, buf, &cs).await?;
+        for (j, c) in cs.iter().enumerate() {
+            // SAFETY: a send only reads the buffer.
+            let raw = unsafe { buf.slice(c.clone()) };
+            ctx.send_data(r - 1, RESULT_STEP, j, cs.len(), raw).await?;
+        }
     }
     Ok(())
 }

@@ -4,6 +4,11 @@
 //! then, for `2(W-1)` hops, it receives a segment's chunk from the left, reduces it into its
 //! buffer (first `W-1` hops) or stores it (last `W-1`), and forwards that chunk to the right at
 //! once. Each rank sends and receives `2(W-1)/W` of the buffer: bandwidth-optimal.
+//!
+//! With a codec, partial sums are re-encoded at every reduce hop (accumulating in the
+//! buffer's precision); the owner of a finished segment encodes it once, keeps what it sent
+//! (its decoding), and the all-gather hops pass those bytes on untouched: every rank ends
+//! with identical bits.
 
 use super::{chunks, segments, OpCtx};
 use crate::buffer::RawBuf;
@@ -31,7 +36,7 @@ pub async fn allreduce_ring<T: Transport>(
         let own = &seg_chunks[r];
         for (j, c) in own.iter().enumerate() {
             // SAFETY: nothing writes segment r until hop W-1, which runs after this loop.
-            ctx.send(right, 0, j, own.len(), unsafe { buf.slice(c.clone()) })
+            ctx.send_data(right, 0, j, own.len(), unsafe { buf.slice(c.clone()) })
                 .await?;
         }
         let hops = 2 * (w - 1);
@@ -44,14 +49,42 @@ pub async fn allreduce_ring<T: Transport>(
                     // SAFETY: one view of this chunk at a time; the send above has returned.
                     let dst = unsafe { buf.slice_mut(c.clone()) };
                     if h < w - 1 {
-                        data.reduce_into(dtype, op, dst)?;
+                        ctx.accumulate(&data, op, dst)?;
                     } else {
-                        data.copy_to(dst)?;
+                        ctx.store(&data, dst)?;
                     }
                 }
-                if h + 1 < hops {
+                let next = h + 1;
+                if next >= hops {
+                    continue;
+                }
+                let step = next as u32;
+                if next < w - 1 {
+                    // A partial sum travels on to be reduced further.
                     // SAFETY: the mutable view above has ended.
-                    ctx.send(right, h as u32 + 1, j, cs.len(), unsafe {
+                    ctx.send_data(right, step, j, cs.len(), unsafe { buf.slice(c.clone()) })
+                        .await?;
+                } else if next == w - 1 {
+                    // This chunk is now final here: encode it once and keep what peers get.
+                    let enc = if ctx.coded() {
+                        // SAFETY: the only view of this chunk.
+                        ctx.settle(unsafe { buf.slice_mut(c.clone()) })?
+                    } else {
+                        Vec::new()
+                    };
+                    // SAFETY: no mutable view is alive.
+                    let raw = unsafe { buf.slice(c.clone()) };
+                    ctx.send(
+                        right,
+                        step,
+                        j,
+                        cs.len(),
+                        if ctx.coded() { &enc } else { raw },
+                    )
+                    .await?;
+                } else {
+                    // SAFETY: no mutable view is alive.
+                    ctx.forward(right, step, j, cs.len(), &data, unsafe {
                         buf.slice(c.clone())
                     })
                     .await?;

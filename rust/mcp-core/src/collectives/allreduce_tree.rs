@@ -26,10 +26,8 @@ pub async fn allreduce_tree<T: Transport>(
         if r & mask != 0 {
             for (j, c) in cs.iter().enumerate() {
                 // SAFETY: this rank is done writing its buffer until the broadcast phase.
-                ctx.send(r - mask, level, j, cs.len(), unsafe {
-                    buf.slice(c.clone())
-                })
-                .await?;
+                let raw = unsafe { buf.slice(c.clone()) };
+                ctx.send_data(r - mask, level, j, cs.len(), raw).await?;
             }
             break;
         }
@@ -37,7 +35,7 @@ pub async fn allreduce_tree<T: Transport>(
             for (j, c) in cs.iter().enumerate() {
                 let data = ctx.recv(r + mask, level, j, c.len()).await?;
                 // SAFETY: the only view of this chunk.
-                data.reduce_into(dtype, op, unsafe { buf.slice_mut(c.clone()) })?;
+                ctx.accumulate(&data, op, unsafe { buf.slice_mut(c.clone()) })?;
             }
         }
         mask <<= 1;

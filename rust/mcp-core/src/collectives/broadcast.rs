@@ -51,16 +51,29 @@ pub(crate) async fn broadcast_steps<T: Transport>(
         m >>= 1;
     }
     for (j, c) in cs.iter().enumerate() {
-        if let Some(p) = parent {
-            let data = ctx.recv(p, step_base, j, c.len()).await?;
+        // What goes to the children: the bytes as received (never re-encoded), or at the
+        // root the encoding whose decoding it keeps, so every rank ends with the same bits.
+        let wire: Option<Vec<u8>> = match parent {
+            Some(p) => {
+                let data = ctx.recv(p, step_base, j, c.len()).await?;
+                // SAFETY: the only view of this chunk.
+                ctx.store(&data, unsafe { buf.slice_mut(c.clone()) })?;
+                ctx.coded().then(|| data.to_vec())
+            }
             // SAFETY: the only view of this chunk.
-            data.copy_to(unsafe { buf.slice_mut(c.clone()) })?;
-        }
+            None if ctx.coded() => Some(ctx.settle(unsafe { buf.slice_mut(c.clone()) })?),
+            None => None,
+        };
         for &child in &children {
             // SAFETY: no mutable view of this chunk is alive.
-            ctx.send(child, step_base, j, cs.len(), unsafe {
-                buf.slice(c.clone())
-            })
+            let raw = unsafe { buf.slice(c.clone()) };
+            ctx.send(
+                child,
+                step_base,
+                j,
+                cs.len(),
+                wire.as_deref().unwrap_or(raw),
+            )
             .await?;
         }
     }

@@ -24,9 +24,11 @@ pub use broadcast::broadcast_binomial;
 pub use p2p::{recv, send};
 pub use reduce_scatter_ring::reduce_scatter_ring;
 
+use crate::codec;
+use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
 use crate::transport::{Lane, MsgKey, Payload, Transport};
-use crate::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+use crate::wire::{Codec, FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
 use std::ops::Range;
 use tokio::time::Instant;
 
@@ -123,7 +125,8 @@ impl<T: Transport> OpCtx<'_, T> {
             }
         };
         self.check(&frame.header)?;
-        if frame.payload.len() != expect_len {
+        // Encoded payloads vary in length; their decoder checks them instead.
+        if self.spec.codec == Codec::None && frame.payload.len() != expect_len {
             return Err(Error::Protocol(format!(
                 "{} (seq {}): rank {peer} sent {} bytes for step {step} chunk {chunk}, expected {expect_len}",
                 self.kind.op_name(),
@@ -132,6 +135,85 @@ impl<T: Transport> OpCtx<'_, T> {
             )));
         }
         Ok(frame.payload)
+    }
+
+    /// True when payloads travel encoded.
+    pub fn coded(&self) -> bool {
+        self.spec.codec != Codec::None
+    }
+
+    /// The wire form of raw elements: encoded with the operation's codec.
+    pub fn encode(&self, raw: &[u8]) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(codec::max_encoded_len(
+            self.spec.codec,
+            self.spec.dtype,
+            raw.len() / self.spec.dtype.size(),
+        ));
+        codec::encode(self.spec.codec, self.spec.dtype, raw, &mut out)?;
+        Ok(out)
+    }
+
+    /// Sends raw elements, encoded with the operation's codec.
+    pub async fn send_data(
+        &self,
+        peer: usize,
+        step: u32,
+        chunk: usize,
+        chunk_count: usize,
+        raw: &[u8],
+    ) -> Result<()> {
+        if self.coded() {
+            let enc = self.encode(raw)?;
+            self.send(peer, step, chunk, chunk_count, &enc).await
+        } else {
+            self.send(peer, step, chunk, chunk_count, raw).await
+        }
+    }
+
+    /// Encodes `buf` and replaces it by what the peers will decode, so that this rank ends
+    /// with the same bits as they do; returns the encoding (to send).
+    pub fn settle(&self, buf: &mut [u8]) -> Result<Vec<u8>> {
+        let enc = self.encode(buf)?;
+        if self.coded() {
+            codec::decode(self.spec.codec, self.spec.dtype, &enc, buf)?;
+        }
+        Ok(enc)
+    }
+
+    /// Stores a received payload into `dst` (decoding it).
+    pub fn store(&self, p: &Payload, dst: &mut [u8]) -> Result<()> {
+        if self.coded() {
+            codec::decode(self.spec.codec, self.spec.dtype, &p.to_vec(), dst)
+        } else {
+            p.copy_to(dst)
+        }
+    }
+
+    /// `dst = op(dst, payload)` (decoding the payload; accumulating in `dst`'s precision).
+    pub fn accumulate(&self, p: &Payload, op: ReduceOp, dst: &mut [u8]) -> Result<()> {
+        if self.coded() {
+            codec::decode_reduce(self.spec.codec, self.spec.dtype, op, &p.to_vec(), dst)
+        } else {
+            p.reduce_into(self.spec.dtype, op, dst)
+        }
+    }
+
+    /// Forwards a received chunk unchanged: its encoded bytes when coded (never re-encoded,
+    /// so every rank decodes the same bits), else the stored raw bytes.
+    pub async fn forward(
+        &self,
+        peer: usize,
+        step: u32,
+        chunk: usize,
+        chunk_count: usize,
+        p: &Payload,
+        stored: &[u8],
+    ) -> Result<()> {
+        if self.coded() {
+            self.send(peer, step, chunk, chunk_count, &p.to_vec()).await
+        } else {
+            self.send(peer, step, chunk, chunk_count, stored).await
+        }
     }
 
     /// Checks that a peer's frame describes the same operation as ours.

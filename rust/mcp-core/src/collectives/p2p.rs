@@ -15,8 +15,8 @@ pub async fn send<T: Transport>(
     let cs = chunks(0..buf.len(), elem, ctx.chunk_bytes);
     for (j, c) in cs.iter().enumerate() {
         // SAFETY: a send only reads its buffer.
-        ctx.send(peer, 0, j, cs.len(), unsafe { buf.slice(c.clone()) })
-            .await?;
+        let raw = unsafe { buf.slice(c.clone()) };
+        ctx.send_data(peer, 0, j, cs.len(), raw).await?;
     }
     Ok(())
 }
@@ -32,7 +32,7 @@ pub async fn recv<T: Transport>(
     for (j, c) in cs.iter().enumerate() {
         let data = ctx.recv(peer, 0, j, c.len()).await?;
         // SAFETY: the only view of this chunk.
-        data.copy_to(unsafe { buf.slice_mut(c.clone()) })?;
+        ctx.store(&data, unsafe { buf.slice_mut(c.clone()) })?;
     }
     Ok(())
 }

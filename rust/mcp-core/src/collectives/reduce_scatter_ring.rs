@@ -40,18 +40,22 @@ pub async fn reduce_scatter_ring<T: Transport>(
         let cs = &block_chunks[first];
         for (j, c) in cs.iter().enumerate() {
             // SAFETY: the input is only read.
-            ctx.send(right, 0, j, cs.len(), unsafe { input.slice(c.clone()) })
-                .await?;
+            let raw = unsafe { input.slice(c.clone()) };
+            ctx.send_data(right, 0, j, cs.len(), raw).await?;
         }
         for h in 0..w - 1 {
             let s = (r + 2 * w - h - 2) % w;
             let cs = &block_chunks[s];
             for (j, c) in cs.iter().enumerate() {
-                let mut data = ctx.recv(left, h as u32, j, c.len()).await?.to_vec();
+                let payload = ctx.recv(left, h as u32, j, c.len()).await?;
+                // The partial sum so far, decoded, plus this rank's input, in full precision.
+                let mut data = vec![0u8; c.len()];
+                ctx.store(&payload, &mut data)?;
                 // SAFETY: the input is only read.
                 reduce_into(dtype, op, &mut data, unsafe { input.slice(c.clone()) })?;
                 if h + 1 < w - 1 {
-                    ctx.send(right, h as u32 + 1, j, cs.len(), &data).await?;
+                    ctx.send_data(right, h as u32 + 1, j, cs.len(), &data)
+                        .await?;
                 } else {
                     let at = c.start - blocks[r].start;
                     // SAFETY: `out` is written only here, each chunk once.

@@ -10,6 +10,7 @@ use crate::group::{Algorithm, Group, GroupConfig, Tensor};
 use crate::reduce::{finish_avg, reduce_into};
 use crate::transport::mem::{network, MemChaos, MemTransport};
 use crate::transport::Transport;
+use crate::wire::Codec;
 use half::{bf16, f16};
 use std::future::Future;
 use std::sync::Arc;
@@ -108,6 +109,7 @@ async fn all_reduce_case(
                 buf: raw,
                 dtype,
                 shape: &shape,
+                codec: Codec::None,
             };
             g.all_reduce(t, op, algo)
                 .expect("valid arguments")
@@ -211,6 +213,7 @@ async fn broadcast_case(w: usize, root: usize, n: usize, chaos: Option<MemChaos>
                 buf: unsafe { RawBuf::from_slice(&mut buf) },
                 dtype: DType::I64,
                 shape: &shape,
+                codec: Codec::None,
             };
             g.broadcast(t, root).expect("valid").await.map(|()| buf)
         }
@@ -253,11 +256,13 @@ async fn all_gather_case(w: usize, n: usize, chaos: Option<MemChaos>) {
                 buf: i,
                 dtype: DType::F16,
                 shape: &ishape,
+                codec: Codec::None,
             };
             let ot = Tensor {
                 buf: o,
                 dtype: DType::F16,
                 shape: &oshape,
+                codec: Codec::None,
             };
             g.all_gather(ot, it).expect("valid").await.map(|()| out)
         }
@@ -300,11 +305,13 @@ async fn reduce_scatter_case(
                 buf: i,
                 dtype,
                 shape: &ishape,
+                codec: Codec::None,
             };
             let ot = Tensor {
                 buf: o,
                 dtype,
                 shape: &oshape,
+                codec: Codec::None,
             };
             let res = g.reduce_scatter(ot, it, op).expect("valid").await;
             assert_eq!(inp, before, "reduce_scatter must not modify its input");
@@ -374,6 +381,7 @@ async fn send_recv_around_a_ring_in_order() {
                     buf: o,
                     dtype: DType::I32,
                     shape: &shape,
+                    codec: Codec::None,
                 },
                 (r + 1) % w,
                 round,
@@ -383,6 +391,7 @@ async fn send_recv_around_a_ring_in_order() {
                     buf: i,
                     dtype: DType::I32,
                     shape: &shape,
+                    codec: Codec::None,
                 },
                 (r + w - 1) % w,
                 round,
@@ -421,6 +430,7 @@ async fn async_operations_in_flight_together_do_not_mix() {
                 buf: ra,
                 dtype: DType::F32,
                 shape: &shape,
+                codec: Codec::None,
             },
             ReduceOp::Sum,
             Algorithm::Ring,
@@ -430,6 +440,7 @@ async fn async_operations_in_flight_together_do_not_mix() {
                 buf: rb,
                 dtype: DType::F32,
                 shape: &shape,
+                codec: Codec::None,
             },
             ReduceOp::Max,
             Algorithm::Tree,
@@ -464,6 +475,7 @@ async fn mismatched_all_reduce(w: usize, odd_rank: usize) -> Vec<Result<Vec<u8>,
             buf: unsafe { RawBuf::from_slice(&mut buf) },
             dtype: DType::F32,
             shape: &shape,
+            codec: Codec::None,
         };
         g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?
             .await
@@ -507,6 +519,7 @@ async fn different_collectives_on_different_ranks_are_a_mismatch() {
             buf: unsafe { RawBuf::from_slice(&mut buf) },
             dtype: DType::F32,
             shape: &shape,
+            codec: Codec::None,
         };
         if r == 1 {
             g.broadcast(t, 0)?.await
@@ -538,6 +551,7 @@ async fn a_rank_that_never_comes_is_a_timeout_for_everyone_else() {
             buf: unsafe { RawBuf::from_slice(&mut buf) },
             dtype: DType::F32,
             shape: &shape,
+            codec: Codec::None,
         };
         g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
     })
@@ -573,6 +587,7 @@ async fn a_killed_rank_is_a_lost_peer_for_every_survivor() {
                         buf: unsafe { RawBuf::from_slice(&mut buf) },
                         dtype: DType::F32,
                         shape: &shape,
+                        codec: Codec::None,
                     };
                     g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
                 })
@@ -606,6 +621,7 @@ async fn corrupted_payloads_are_detected_never_used() {
             buf: unsafe { RawBuf::from_slice(&mut buf) },
             dtype: DType::F32,
             shape: &shape,
+            codec: Codec::None,
         };
         g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
     })
@@ -628,6 +644,7 @@ async fn bad_arguments_are_refused_before_anything_is_sent() {
         buf: raw,
         dtype: DType::F32,
         shape: &shape5,
+        codec: Codec::None,
     };
     assert!(matches!(
         g.all_reduce(wrong_len, ReduceOp::Sum, Algorithm::Auto),
@@ -637,6 +654,7 @@ async fn bad_arguments_are_refused_before_anything_is_sent() {
         buf: raw,
         dtype: DType::I32,
         shape: &shape4,
+        codec: Codec::None,
     };
     assert!(matches!(
         g.all_reduce(ints, ReduceOp::Avg, Algorithm::Auto),
@@ -646,6 +664,7 @@ async fn bad_arguments_are_refused_before_anything_is_sent() {
         buf: raw,
         dtype: DType::F32,
         shape: &shape4,
+        codec: Codec::None,
     };
     assert!(matches!(g.broadcast(ok, 2), Err(Error::InvalidArgument(_))));
     assert!(matches!(g.send(ok, 0, 0), Err(Error::InvalidArgument(_))));
@@ -662,6 +681,7 @@ async fn bad_arguments_are_refused_before_anything_is_sent() {
         buf: raw,
         dtype: DType::U8,
         shape: &nine,
+        codec: Codec::None,
     };
     assert!(g.all_reduce(deep, ReduceOp::Sum, Algorithm::Auto).is_err());
     assert_eq!(ts[0].mailbox().pending(), 0);
@@ -681,6 +701,7 @@ async fn a_broadcast_root_learns_of_a_mismatch_at_its_next_operation() {
             buf: raw,
             dtype: DType::F32,
             shape: &shape,
+            codec: Codec::None,
         };
         let first = if r == 0 {
             g.broadcast(t, 0)?.await
@@ -701,4 +722,193 @@ async fn a_broadcast_root_learns_of_a_mismatch_at_its_next_operation() {
             "rank {r}: {res:?}"
         );
     }
+}
+
+/// Floats in [-1, 1] that no codec but `lossless` carries exactly.
+fn noisy(rank: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 7919 + rank * 104_729) % 10_007) as f32 / 5003.5 - 1.0) * 0.999)
+        .collect()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn as_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coded_all_reduce_is_identical_on_every_rank_and_within_the_stated_bound() {
+    let n = 5000;
+    let codecs = [
+        (Codec::Fp16, 1.0f32 / 2048.0),
+        (Codec::Bf16, 1.0 / 256.0),
+        (Codec::Int8 { block: 256 }, 1.0 / 127.0),
+        (Codec::Lossless, 0.0),
+    ];
+    for (codec, rel) in codecs {
+        for w in [2usize, 3, 5] {
+            for algo in [
+                Algorithm::Ring,
+                Algorithm::Tree,
+                Algorithm::RecursiveDoubling,
+            ] {
+                let exact: Vec<f64> = (0..n)
+                    .map(|i| (0..w).map(|r| f64::from(noisy(r, n)[i])).sum())
+                    .collect();
+                let shape = vec![n as u64];
+                let mut c = cfg();
+                c.chunk_bytes = 4096;
+                let results = run_world(w, None, c, |g, r| {
+                    let mut buf = f32_bytes(&noisy(r, n));
+                    let shape = shape.clone();
+                    async move {
+                        // SAFETY: `buf` outlives the awaited operation.
+                        let raw = unsafe { RawBuf::from_slice(&mut buf) };
+                        let t = Tensor {
+                            buf: raw,
+                            dtype: DType::F32,
+                            shape: &shape,
+                            codec,
+                        };
+                        g.all_reduce(t, ReduceOp::Sum, algo)?.await.map(|()| buf)
+                    }
+                })
+                .await;
+                let first = results[0].as_ref().expect("rank 0").clone();
+                for (r, res) in results.iter().enumerate() {
+                    let got = res
+                        .as_ref()
+                        .unwrap_or_else(|e| panic!("{codec:?} w={w} {algo:?} r={r}: {e}"));
+                    assert_eq!(
+                        got, &first,
+                        "{codec:?} w={w} {algo:?}: rank {r} differs from rank 0"
+                    );
+                }
+                let got = as_f32(&first);
+                // Every hop re-encodes a partial sum of at most w values in [-1, 1]: at most
+                // w quantisations, each off by at most rel x w (int8: half a step of a block
+                // whose maximum is at most w).
+                let bound = (w * w) as f64 * f64::from(rel);
+                let mut worst = 0f64;
+                for i in 0..n {
+                    worst = worst.max((f64::from(got[i]) - exact[i]).abs());
+                }
+                assert!(
+                    worst <= bound + 1e-6,
+                    "{codec:?} w={w} {algo:?}: error {worst} > {bound}"
+                );
+                if codec == Codec::Lossless {
+                    // Only f32 rounding of the additions remains.
+                    assert!(worst < 1e-5, "lossless must not lose precision: {worst}");
+                } else {
+                    assert!(
+                        worst > 0.0,
+                        "{codec:?} w={w} {algo:?}: no quantisation error at all?"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coded_broadcast_and_all_gather_give_every_rank_the_same_bits() {
+    let (w, n) = (3usize, 3001usize);
+    let codec = Codec::Int8 { block: 64 };
+    let results = run_world(w, None, cfg(), |g, r| async move {
+        let shape = vec![n as u64];
+        let oshape = vec![w as u64, n as u64];
+        let mut b = if r == 1 {
+            f32_bytes(&noisy(9, n))
+        } else {
+            vec![0u8; n * 4]
+        };
+        let mut inp = f32_bytes(&noisy(r, n));
+        let mut out = vec![0u8; w * n * 4];
+        // SAFETY: the buffers outlive the awaited operations.
+        let (rb, ri, ro) = unsafe {
+            (
+                RawBuf::from_slice(&mut b),
+                RawBuf::from_slice(&mut inp),
+                RawBuf::from_slice(&mut out),
+            )
+        };
+        g.broadcast(
+            Tensor {
+                buf: rb,
+                dtype: DType::F32,
+                shape: &shape,
+                codec,
+            },
+            1,
+        )?
+        .await?;
+        let it = Tensor {
+            buf: ri,
+            dtype: DType::F32,
+            shape: &shape,
+            codec,
+        };
+        let ot = Tensor {
+            buf: ro,
+            dtype: DType::F32,
+            shape: &oshape,
+            codec,
+        };
+        g.all_gather(ot, it)?.await?;
+        Ok::<_, Error>((b, out))
+    })
+    .await;
+    let (b0, o0) = results[0].as_ref().expect("rank 0").clone();
+    for (r, res) in results.iter().enumerate() {
+        let (b, o) = res.as_ref().expect("rank");
+        assert_eq!(b, &b0, "broadcast: rank {r} (the root is rank 1) differs");
+        assert_eq!(o, &o0, "all_gather: rank {r} differs");
+    }
+    let got = as_f32(&b0);
+    let want = noisy(9, n);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst > 0.0 && worst <= 1.0 / 127.0,
+        "broadcast error {worst}"
+    );
+}
+
+#[tokio::test]
+async fn lossy_codecs_refuse_integer_tensors() {
+    let ts = network(2, None);
+    let g = Group::new(ts[0].clone(), cfg());
+    let mut buf = vec![0u8; 16];
+    // SAFETY: `buf` outlives the call, which runs nothing.
+    let raw = unsafe { RawBuf::from_slice(&mut buf) };
+    let shape = [4u64];
+    let t = Tensor {
+        buf: raw,
+        dtype: DType::I32,
+        shape: &shape,
+        codec: Codec::Int8 { block: 256 },
+    };
+    assert!(matches!(
+        g.all_reduce(t, ReduceOp::Sum, Algorithm::Auto),
+        Err(Error::InvalidArgument(_))
+    ));
+    let t = Tensor {
+        buf: raw,
+        dtype: DType::F32,
+        shape: &shape,
+        codec: Codec::Int8 { block: 100 },
+    };
+    assert!(matches!(
+        g.all_reduce(t, ReduceOp::Sum, Algorithm::Auto),
+        Err(Error::InvalidArgument(_))
+    ));
 }

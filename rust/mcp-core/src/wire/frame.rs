@@ -4,7 +4,7 @@
 //! ```text
 //!  0 magic "MCPF"   4 major  5 minor  6 kind  7 ndim
 //!  8 seq (u64)     16 step (u32)     20 chunk (u32)   24 chunk_count (u32)
-//! 28 src rank (u32) 32 aux (u32: root, tag)            36 dtype 37 op 38 codec 39 reserved
+//! 28 src rank (u32) 32 aux (u32: root, tag)            36 dtype 37 op 38 codec 39 log2(block)
 //! 40 payload_len (u64)               48 payload CRC32C (u32)  52 header CRC32C (u32)
 //! 56 shape: ndim x u64
 //! ```
@@ -143,8 +143,8 @@ impl Header {
         out.extend_from_slice(&[
             self.spec.dtype as u8,
             self.spec.op as u8,
-            self.spec.codec as u8,
-            0,
+            self.spec.codec.to_code(),
+            self.spec.codec.block().checked_ilog2().unwrap_or(0) as u8,
         ]);
         out.extend_from_slice(&self.payload_len.to_le_bytes());
         out.extend_from_slice(&self.payload_crc.to_le_bytes());
@@ -211,8 +211,14 @@ impl Header {
             .ok_or_else(|| Error::Protocol(format!("unknown dtype code {}", bytes[36])))?;
         let op = ReduceOp::from_code(bytes[37])
             .ok_or_else(|| Error::Protocol(format!("unknown reduce op code {}", bytes[37])))?;
-        let codec = Codec::from_code(bytes[38])
-            .ok_or_else(|| Error::Protocol(format!("unknown codec code {}", bytes[38])))?;
+        let block = if bytes[38] == (Codec::Int8 { block: 1 }).to_code() {
+            1u32.checked_shl(u32::from(bytes[39])).unwrap_or(0)
+        } else {
+            0
+        };
+        let codec = Codec::from_code(bytes[38], block).ok_or_else(|| {
+            Error::Protocol(format!("unknown codec code {} (block {block})", bytes[38]))
+        })?;
         let shape = bytes[HEADER_FIXED..]
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))

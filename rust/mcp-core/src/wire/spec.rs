@@ -6,23 +6,8 @@ use std::fmt;
 /// Most dimensions a Model-Spec carries.
 pub const MAX_DIMS: usize = 8;
 
-/// How a payload is encoded on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Codec {
-    /// Raw little-endian elements.
-    None = 0,
-}
-
-impl Codec {
-    /// Decodes a wire code.
-    pub fn from_code(code: u8) -> Option<Codec> {
-        match code {
-            0 => Some(Codec::None),
-            _ => None,
-        }
-    }
-}
+/// How a payload is encoded on the wire (the codecs live in [`crate::codec`]).
+pub use crate::codec::CodecKind as Codec;
 
 /// Describes the tensor an operation moves; every rank of a collective must agree on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +42,12 @@ impl ModelSpec {
 impl fmt::Display for ModelSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}{:?}", self.dtype, self.shape)?;
+        if self.codec != Codec::None {
+            write!(f, " codec={}", self.codec.name())?;
+            if self.codec.block() != 0 {
+                write!(f, "/{}", self.codec.block())?;
+            }
+        }
         if self.op != ReduceOp::None {
             write!(f, " op={}", self.op)?;
         }
