@@ -270,7 +270,9 @@ class MCPProcessGroup(dist.ProcessGroup):
     ) -> Any:
         return self._allgather_lists(output_lists, input_list)
 
-    def _allgather_lists(self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor]) -> Any:
+    def _allgather_lists(
+        self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor], result: Any = None
+    ) -> Any:
         gathered = []
         for inp in ins:
             src = inp.detach().contiguous().cpu()
@@ -283,7 +285,7 @@ class MCPProcessGroup(dist.ProcessGroup):
 
         return self._work(
             lambda: [self._mcp.all_gather(g, s, async_op=True) for s, g in gathered],
-            outs,
+            outs if result is None else result,
             after=after,
         )
 
@@ -362,23 +364,10 @@ class MCPProcessGroup(dist.ProcessGroup):
     def gather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
     ) -> Any:
+        # An all-gather whose results only the root keeps: simple, one round of the ring.
         root = opts.rootRank
         outs = output_tensors if self.rank() == root else [[] for _ in input_tensors]
-        gathered = []
-        for inp in input_tensors:
-            src = inp.detach().contiguous().cpu()
-            gathered.append((src, torch.empty((self.size(), *src.shape), dtype=src.dtype)))
-
-        def after() -> None:
-            for out_list, (_, g) in zip(outs, gathered, strict=True):
-                for r, o in enumerate(out_list):
-                    o.copy_(g[r])
-
-        return self._work(
-            lambda: [self._mcp.all_gather(g, s, async_op=True) for s, g in gathered],
-            output_tensors,
-            after=after,
-        )
+        return self._allgather_lists(outs, input_tensors, result=output_tensors)
 
     def scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any
