@@ -93,3 +93,8 @@ def test_torch_cpu_tensors_in_place() -> None:
 def test_generated_secret_is_handed_out_at_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MCP_SECRET", raising=False)
     assert ok(run("generated_secret", 3, timeout=60)) == [3000.0] * 3
+
+
+def test_recv_from_any_source_returns_the_sender() -> None:
+    got = ok(run("any_source", 3, timeout=60))[0]
+    assert got == [(2, 2.0), (1, 1.0)]

@@ -119,3 +119,8 @@ def test_int8_with_error_feedback_converges_like_uncompressed() -> None:
     assert plain[0] == plain[1] and int8[0] == int8[1]
     assert int8[0] != plain[0], "the hook changed nothing: was it applied?"
     assert abs(int8[0] - plain[0]) <= 0.02 * plain[0], (int8[0], plain[0])
+
+
+def test_recv_without_a_source() -> None:
+    got = ok(run("torch_workers.torch_any_source", 3, timeout=90))[0]
+    assert got == [2, 1]

@@ -261,3 +261,20 @@ def digits_loss(rank: int, world: int, codec: str | None, epochs: int = 6) -> fl
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     dist.destroy_process_group()
     return float(t.item())
+
+
+def torch_any_source(rank: int, world: int) -> list[int]:
+    _init()
+    got = []
+    if rank == 0:
+        for _ in range(world - 1):
+            t = torch.zeros(4)
+            src = dist.recv(t)
+            assert float(t[0]) == float(src)
+            got.append(src)
+    else:
+        time.sleep(0.3 * (world - 1 - rank))
+        dist.send(torch.full((4,), float(rank)), dst=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return got

@@ -204,3 +204,19 @@ def coded_collectives(rank: int, world: int) -> dict[str, Any]:
         g.broadcast(b, src=0, codec="bf16")
         out["broadcast"] = b
     return out
+
+
+def any_source(rank: int, world: int) -> list[tuple[int, float]]:
+    """Rank 0 receives from whoever sends first; the last rank sends first."""
+    got: list[tuple[int, float]] = []
+    with mcp.init(timeout=30) as g:
+        if rank == 0:
+            for _ in range(world - 1):
+                buf = np.zeros(1000, "float64")
+                src = g.recv(buf)
+                got.append((src, float(buf[0])))
+        else:
+            time.sleep(0.3 * (world - 1 - rank))
+            g.send(np.full(1000, float(rank), "float64"), dst=0)
+        g.barrier()
+    return got

@@ -15,6 +15,7 @@ class Work:
     def is_completed(self) -> bool: ...
     def is_success(self) -> bool: ...
     def exception(self) -> BaseException | None: ...
+    def source_rank(self) -> int | None: ...
 
 class ProcessGroup:
     def __init__(
@@ -115,6 +116,17 @@ class ProcessGroup:
         dtype: str,
         shape: list[int],
         src: int,
+        tag: int,
+        keepalive: Any,
+        codec: str = ...,
+        block: int = ...,
+    ) -> Work: ...
+    def recv_any(
+        self,
+        ptr: int,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
         tag: int,
         keepalive: Any,
         codec: str = ...,

@@ -51,6 +51,10 @@ class Work:
         """The error of a failed operation, or None."""
         return self._work.exception()
 
+    def source_rank(self) -> int | None:
+        """For a receive: the rank the data came from (known once it started arriving)."""
+        return self._work.source_rank()
+
     def __repr__(self) -> str:
         return repr(self._work)
 
@@ -238,19 +242,30 @@ class Group:
     def recv(
         self,
         tensor: Any,
-        src: int,
+        src: int | None = None,
         tag: int = 0,
         async_op: bool = False,
         codec: str = "none",
         block: int = 256,
-    ) -> Work | None:
-        """Receive into ``tensor`` from rank ``src`` (same dtype and shape as sent)."""
-        self._check_rank(src, "src")
+    ) -> Work | int:
+        """Receive into ``tensor`` (same dtype and shape as sent) from rank ``src``, or from
+        whichever rank sends first when ``src`` is None. Returns the sender's rank (or, with
+        ``async_op=True``, a Work whose ``source_rank()`` tells it once done)."""
         b = view(tensor, name="recv tensor", writable=True)
-        w = self.core.recv(
-            b.ptr, b.nbytes, b.dtype, list(b.shape), src, _tag(tag), b.obj, codec, block
-        )
-        return _finish(w, async_op)
+        if src is None:
+            w = self.core.recv_any(
+                b.ptr, b.nbytes, b.dtype, list(b.shape), _tag(tag), b.obj, codec, block
+            )
+        else:
+            self._check_rank(src, "src")
+            w = self.core.recv(
+                b.ptr, b.nbytes, b.dtype, list(b.shape), src, _tag(tag), b.obj, codec, block
+            )
+        if async_op:
+            return Work(w)
+        w.wait(None)
+        source = w.source_rank()
+        return source if source is not None else int(src)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Deliver what was sent, say goodbye to the peers and release the socket."""

@@ -46,6 +46,7 @@ class MCPWork(dist._Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
+        self._source: Callable[[], int | None] | None = None
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
@@ -78,6 +79,13 @@ class MCPWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._future
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any source (torch asks after ``wait()``)."""
+        source = self._source() if self._source is not None else None
+        if source is None:
+            raise RuntimeError("this work is not a receive from any source, or has not finished")
+        return int(source)
 
     def result(self) -> Any:
         return self._result
@@ -453,10 +461,16 @@ class MCPProcessGroup(dist.ProcessGroup):
         )
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        raise RuntimeError(
-            "the mcp backend matches messages per sender, in order; recv from any source is "
-            "not supported: pass src= (torch.distributed.recv(t, src=...))"
-        )
+        staged = [stage(t) for t in tensors]
+        works: list[Work] = []
+
+        def start() -> list[Work | None]:
+            works.extend(self._mcp.recv(s.host, src=None, tag=tag, async_op=True) for s in staged)
+            return list(works)
+
+        work = self._work(start, tensors, staged)
+        work._source = lambda: works[0].source_rank() if works else None
+        return work
 
     def _chain(self, works: list[Any], result: Any) -> Any:
         work = MCPWork(result)

@@ -9,7 +9,7 @@ use crate::buffer::RawBuf;
 use crate::collectives::{self, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::transport::{encode_abort, Lane, Transport};
+use crate::transport::{encode_abort, Lane, MsgKey, Transport};
 use crate::wire::{Codec, FrameKind, Header, ModelSpec, MAX_DIMS, PROTOCOL_MINOR};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -474,6 +474,69 @@ impl<T: Transport> Group<T> {
                 },
             ),
         )
+    }
+
+    /// Receives into `t` from whichever rank's next message arrives first; `source` is set to
+    /// that rank before the data is read. Messages stay matched per sender, in order.
+    pub fn recv_any(&self, t: Tensor<'_>, tag: u32, source: Arc<AtomicUsize>) -> Result<OpFuture> {
+        self.open()?;
+        t.check("recv")?;
+        if self.world_size() < 2 {
+            return Err(Error::InvalidArgument(
+                "recv from any source needs another rank".into(),
+            ));
+        }
+        let (buf, elem, spec) = (t.buf, t.dtype.size(), t.spec(ReduceOp::None));
+        let g = self.clone();
+        let deadline = tokio::time::Instant::now() + self.inner.cfg.timeout;
+        Ok(Box::pin(async move {
+            let me = g.rank();
+            loop {
+                let mb = g.inner.t.mailbox();
+                let arrival = mb.arrival();
+                tokio::pin!(arrival);
+                arrival.as_mut().enable();
+                let keys: Vec<MsgKey> = (0..g.world_size())
+                    .filter(|&s| s != me)
+                    .map(|s| MsgKey {
+                        src: s,
+                        lane: Lane::P2p,
+                        seq: p2p_seq(s, g.inner.recv_seq[s].load(Ordering::Acquire)),
+                        step: 0,
+                        chunk: 0,
+                    })
+                    .collect();
+                if let Some(k) = mb.first_arrived(&keys) {
+                    let n = k.seq & ((1 << 40) - 1);
+                    let counter = &g.inner.recv_seq[k.src];
+                    if counter
+                        .compare_exchange(n, n + 1, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        source.store(k.src, Ordering::Release);
+                        let src = k.src;
+                        let op = g.launch(
+                            FrameKind::Send,
+                            k.seq,
+                            spec,
+                            tag,
+                            vec![src],
+                            move |inner, o| async move {
+                                collectives::recv(&o.ctx(&*inner.t), buf, elem, src).await
+                            },
+                        );
+                        return op.await;
+                    }
+                    continue;
+                }
+                if tokio::time::timeout_at(deadline, arrival).await.is_err() {
+                    return Err(Error::Timeout {
+                        what: format!("recv from any source on rank {me}: no rank sent anything"),
+                        after: g.inner.cfg.timeout,
+                    });
+                }
+            }
+        }))
     }
 
     /// Marks the group closed (later calls fail), lets the aborts it owes its peers go out

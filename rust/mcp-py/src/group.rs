@@ -105,8 +105,16 @@ pub fn reduce_into(
 /// Replaces the buffer by what a peer would decode after `codec` (error feedback uses it).
 #[pyfunction]
 #[pyo3(signature = (ptr, nbytes, dtype, codec, block=256))]
-pub fn codec_round_trip(py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, codec: &str, block: u32) -> PyResult<()> {
-    let dtype = DType::from_name(dtype).map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
+pub fn codec_round_trip(
+    py: Python<'_>,
+    ptr: usize,
+    nbytes: usize,
+    dtype: &str,
+    codec: &str,
+    block: u32,
+) -> PyResult<()> {
+    let dtype = DType::from_name(dtype)
+        .map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
     let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
     if nbytes == 0 {
         return Ok(());
@@ -149,7 +157,11 @@ impl ProcessGroup {
             drop(keepalive);
             done.complete(r);
         });
-        Ok(Work { state, op: name })
+        Ok(Work {
+            state,
+            op: name,
+            source: None,
+        })
     }
 }
 
@@ -397,6 +409,30 @@ impl ProcessGroup {
             .group
             .reduce_scatter(o.tensor(codec), i.tensor(codec), op);
         self.start(py, "reduce_scatter", fut, keepalive)
+    }
+
+    /// Receive from whichever rank sends first.
+    #[pyo3(signature = (ptr, nbytes, dtype, shape, tag, keepalive, codec="none", block=256))]
+    #[allow(clippy::too_many_arguments)]
+    fn recv_any(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        tag: u32,
+        keepalive: Py<PyAny>,
+        codec: &str,
+        block: u32,
+    ) -> PyResult<Work> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
+        let a = Arg::new(ptr, nbytes, dtype, shape)?;
+        let source = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
+        let fut = self.group.recv_any(a.tensor(codec), tag, source.clone());
+        let mut work = self.start(py, "recv", fut, keepalive)?;
+        work.source = Some(source);
+        Ok(work)
     }
 
     /// Barrier.

@@ -51,6 +51,8 @@ impl WorkState {
 pub struct Work {
     pub(crate) state: Arc<WorkState>,
     pub(crate) op: &'static str,
+    /// For a receive from any source: the rank it came from, once known.
+    pub(crate) source: Option<Arc<std::sync::atomic::AtomicUsize>>,
 }
 
 #[pymethods]
@@ -107,6 +109,12 @@ impl Work {
             Some(Err(e)) => Some(to_py(py, e.clone())),
             _ => None,
         }
+    }
+
+    /// The rank a receive came from (for `recv` without a source), else None.
+    fn source_rank(&self) -> Option<usize> {
+        let s = self.source.as_ref()?.load(std::sync::atomic::Ordering::Acquire);
+        (s != usize::MAX).then_some(s)
     }
 
     fn __repr__(&self) -> String {

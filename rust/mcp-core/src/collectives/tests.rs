@@ -912,3 +912,48 @@ async fn lossy_codecs_refuse_integer_tensors() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recv_from_any_source_takes_whoever_comes_first() {
+    let results = run_world(3, None, cfg(), |g, r| async move {
+        let shape = vec![100u64];
+        if r == 0 {
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                let mut buf = vec![0u8; 400];
+                let source = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
+                // SAFETY: `buf` outlives the awaited operation.
+                let t = Tensor {
+                    buf: unsafe { RawBuf::from_slice(&mut buf) },
+                    dtype: DType::I32,
+                    shape: &shape,
+                    codec: Codec::None,
+                };
+                g.recv_any(t, 5, source.clone())?.await?;
+                got.push((source.load(std::sync::atomic::Ordering::Acquire), buf));
+            }
+            return Ok::<_, Error>(got);
+        }
+        // Rank 2 sends at once, rank 1 later: rank 0 must take rank 2's message first.
+        if r == 1 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut buf = input(DType::I32, ReduceOp::Sum, r, 100, 0);
+        // SAFETY: `buf` outlives the awaited operation.
+        let t = Tensor {
+            buf: unsafe { RawBuf::from_slice(&mut buf) },
+            dtype: DType::I32,
+            shape: &shape,
+            codec: Codec::None,
+        };
+        g.send(t, 0, 5)?.await?;
+        Ok(Vec::new())
+    })
+    .await;
+    let got = results[0].as_ref().expect("rank 0");
+    assert_eq!(got[0].0, 2);
+    assert_eq!(got[1].0, 1);
+    for (src, buf) in got {
+        assert_eq!(buf, &input(DType::I32, ReduceOp::Sum, *src, 100, 0));
+    }
+}

@@ -106,6 +106,7 @@ const ABORT_MEMORY: usize = 4096;
 pub struct Mailbox {
     inner: Mutex<Inner>,
     aborts: tokio::sync::Notify,
+    arrivals: tokio::sync::Notify,
 }
 
 impl Mailbox {
@@ -139,8 +140,24 @@ impl Mailbox {
             }
             None => {
                 inner.slots.insert(key, Slot::Ready(item));
+                drop(inner);
+                self.arrivals.notify_waiters();
             }
         }
+    }
+
+    /// The first of `keys` whose frame has arrived (not yet taken).
+    pub fn first_arrived(&self, keys: &[MsgKey]) -> Option<MsgKey> {
+        let inner = self.lock();
+        keys.iter()
+            .find(|k| matches!(inner.slots.get(k), Some(Slot::Ready(_))))
+            .copied()
+    }
+
+    /// Resolves when a frame arrives that nobody was waiting for (for a receive from any
+    /// source). Create the future before checking [`Mailbox::first_arrived`], then await it.
+    pub fn arrival(&self) -> tokio::sync::futures::Notified<'_> {
+        self.arrivals.notified()
     }
 
     /// Files a verified frame: an abort fails its operation, a goodbye fails waits on its
