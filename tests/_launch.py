@@ -78,12 +78,16 @@ def run(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
     ranks: list[int] | None = None,
+    expect_stuck: list[int] | None = None,
 ) -> list[Any]:
     """Run ``workers.<fn_name>(rank, world, *args)`` on every rank (or only ``ranks``).
 
     Returns each rank's result, or a :class:`Failure`. Raises ``TimeoutError`` if a rank
-    neither returned nor failed within ``timeout`` seconds.
+    neither returned nor failed within ``timeout`` seconds, except the ranks listed in
+    ``expect_stuck`` (a frozen process): once the others are done, those are killed and
+    reported as ``Failure("Stuck", ...)``.
     """
+    stuck = set(expect_stuck or [])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -98,7 +102,7 @@ def run(
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < len(ranks):
+        while any(r not in results for r in ranks if r not in stuck):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -112,6 +116,8 @@ def run(
                 continue
             results[rank] = value
     finally:
+        for r in stuck:
+            procs[r].kill()  # SIGKILL ends a stopped process too
         for p in procs.values():
             p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
         for p in procs.values():
@@ -119,6 +125,8 @@ def run(
                 p.kill()
                 p.join(5)
         q.close()
+    for r in stuck:
+        results.setdefault(r, Failure("Stuck", "killed after the others finished"))
     missing = [r for r in ranks if r not in results]
     if missing:
         raise TimeoutError(f"ranks {missing} of {fn_name} did not finish within {timeout} s")

@@ -139,12 +139,12 @@ def generated_secret(rank: int, world: int) -> float:
         return float(a.sum())
 
 
-def killed_peer(rank: int, world: int, victim: int) -> None:
-    g = mcp.init(timeout=60, idle_timeout=2.0)
+def killed_peer(rank: int, world: int, victim: int, how: str = "kill") -> None:
+    g = mcp.init(timeout=60, heartbeat=0.5)
     a = np.ones(1 << 16, "float32")
     g.all_reduce(a)  # everyone connected and working
     if rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     for _ in range(1000):
         g.all_reduce(a)
     g.close()
@@ -177,14 +177,19 @@ def corrupted(rank: int, world: int) -> None:
 
 
 def cut_off(rank: int, world: int) -> None:
-    g = mcp.init(timeout=60, idle_timeout=2.0, chaos="loss=0,seed=1")
+    g = mcp.init(timeout=60, heartbeat=0.5, chaos="loss=0,seed=1")
     a = np.ones(1000, "float32")
     g.all_reduce(a)
     if rank == 1:
         g.chaos_kill()  # this host vanishes from the network
         time.sleep(6)
         return
-    g.all_reduce(a)
+    try:
+        g.all_reduce(a)
+    except mcp.PeerLostError:
+        (h,) = g.health()
+        assert h["state"] == "lost" and h["rank"] == 1 and "no packets" in h["reason"], h
+        raise
 
 
 def coded_collectives(rank: int, world: int) -> dict[str, Any]:

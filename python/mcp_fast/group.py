@@ -97,6 +97,11 @@ class Group:
         refused_handshakes."""
         return self.core.stats()
 
+    def health(self) -> list[dict[str, Any]]:
+        """Each other rank: ``state`` (connected / not connected / lost), ``rtt`` and
+        ``last_seen`` (seconds), ``silence_limit``, and the ``reason`` it was lost."""
+        return self.core.health()
+
     def chaos_kill(self) -> None:
         """Cut this process off the network (needs ``chaos=`` at init): every datagram in and
         out is dropped from now on, as if the host vanished."""
@@ -368,6 +373,7 @@ def init(
     idle_timeout: float = 30.0,
     chunk_bytes: int = 1 << 20,
     chaos: Chaos | str | None = None,
+    heartbeat: float = 5.0,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -379,6 +385,8 @@ def init(
     every operation (default ``MCP_TIMEOUT`` or 300 s); ``connect_timeout`` bounds the
     rendezvous (default: ``timeout``). ``chaos`` (default ``MCP_CHAOS``) injects faults:
     ``Chaos(loss=0.2, seed=1)`` or ``"loss=0.2,delay=5ms,rate=1gbit,seed=1"``.
+    ``heartbeat`` (seconds): a peer silent for 3 heartbeats plus max(1 s, 1.3 x mean RTT) is
+    declared lost (``PeerLostError``).
     """
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
@@ -410,5 +418,6 @@ def init(
         chunk_bytes=chunk_bytes,
         protocol_major=_protocol_major,
         chaos=str(chaos) if chaos is not None else None,
+        heartbeat=heartbeat,
     )
     return Group(core)

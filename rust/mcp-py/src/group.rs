@@ -171,7 +171,8 @@ impl ProcessGroup {
     #[new]
     #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
-                        small_bytes=65536, protocol_major=None, on_bound=None, chaos=None))]
+                        small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
+                        heartbeat=5.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -188,6 +189,7 @@ impl ProcessGroup {
         protocol_major: Option<u8>,
         on_bound: Option<Py<PyAny>>,
         chaos: Option<&str>,
+        heartbeat: f64,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -201,6 +203,7 @@ impl ProcessGroup {
         cfg.secret = secret;
         cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
         cfg.idle_timeout = seconds("idle_timeout", idle_timeout)?;
+        cfg.heartbeat = seconds("heartbeat", heartbeat)?;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
         }
@@ -279,6 +282,26 @@ impl ProcessGroup {
         ]
         .into_iter()
         .collect()
+    }
+
+    /// Each other rank's state ("connected", "not connected", "lost"), RTT and last-seen
+    /// time in seconds, silence limit, and why it was lost.
+    fn health<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+        self.group
+            .transport()
+            .health()
+            .into_iter()
+            .map(|h| {
+                let d = pyo3::types::PyDict::new(py);
+                d.set_item("rank", h.rank)?;
+                d.set_item("state", h.state)?;
+                d.set_item("rtt", h.rtt.map(|d| d.as_secs_f64()))?;
+                d.set_item("last_seen", h.last_seen.map(|d| d.as_secs_f64()))?;
+                d.set_item("silence_limit", h.silence_limit.map(|d| d.as_secs_f64()))?;
+                d.set_item("reason", h.reason)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     /// Cuts this process off the network (needs `chaos=` at init): every datagram in and

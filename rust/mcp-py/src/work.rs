@@ -113,7 +113,10 @@ impl Work {
 
     /// The rank a receive came from (for `recv` without a source), else None.
     fn source_rank(&self) -> Option<usize> {
-        let s = self.source.as_ref()?.load(std::sync::atomic::Ordering::Acquire);
+        let s = self
+            .source
+            .as_ref()?
+            .load(std::sync::atomic::Ordering::Acquire);
         (s != usize::MAX).then_some(s)
     }
 

@@ -51,7 +51,11 @@ fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportCon
         Error::InvalidArgument(format!("idle timeout {:?} is too large", cfg.idle_timeout))
     })?;
     t.max_idle_timeout(Some(idle));
-    t.keep_alive_interval(Some((cfg.idle_timeout / 4).max(Duration::from_millis(100))));
+    t.keep_alive_interval(Some(
+        cfg.heartbeat
+            .min(cfg.idle_timeout / 4)
+            .max(Duration::from_millis(50)),
+    ));
     // Collectives send a burst and then wait for the answer: a delayed ACK (25 ms by
     // default) stalls every burst that ends on an odd packet, so ask peers to ACK promptly.
     let mut ack = quinn::AckFrequencyConfig::default();

@@ -4,8 +4,11 @@
 
 pub mod chaos;
 mod endpoint;
+mod heartbeat;
 mod rendezvous;
 pub mod tls;
+
+pub use heartbeat::PeerHealth;
 
 use super::{Frame, Lane, Mailbox, MsgKey, Payload, Transport};
 use crate::backoff::Backoff;
@@ -32,6 +35,8 @@ pub(crate) mod close_code {
     pub const REFUSED: u32 = 0x4d05;
     /// Rank 0 gave up on the rendezvous (a rank never came); the reason says which.
     pub const RENDEZVOUS_FAILED: u32 = 0x4d06;
+    /// The heartbeat monitor declared the peer lost.
+    pub const PEER_SILENT: u32 = 0x4d07;
 }
 
 /// Largest payload a frame may announce; anything larger is a protocol error.
@@ -50,8 +55,12 @@ pub struct QuicConfig {
     pub secret: Option<Vec<u8>>,
     /// How long the rendezvous may take.
     pub connect_timeout: Duration,
-    /// A connection with no packets for this long is declared dead.
+    /// A connection with no packets for this long is closed by QUIC (a backstop: the
+    /// heartbeat monitor usually declares a silent peer lost much sooner).
     pub idle_timeout: Duration,
+    /// Heartbeat interval: a PING every `heartbeat`; a peer silent for 3 of them plus
+    /// max(1 s, 1.3 x mean RTT) is declared lost.
+    pub heartbeat: Duration,
     /// The protocol major version to announce (tests set another to check refusal).
     pub protocol_major: u8,
     /// Faults to inject under QUIC (loss, delay, rate cap, ...) and corruption of frame
@@ -69,6 +78,7 @@ impl QuicConfig {
             secret: None,
             connect_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(5),
             protocol_major: PROTOCOL_MAJOR,
             chaos: None,
         }
@@ -77,6 +87,8 @@ impl QuicConfig {
 
 struct PeerSlot {
     conn: watch::Sender<Option<Connection>>,
+    /// (RTT, silence, silence limit) as the heartbeat monitor last saw them.
+    health: Mutex<Option<(Duration, Duration, Duration)>>,
     dial: tokio::sync::Mutex<()>,
     /// Frames written to this peer; the goodbye carries the count so that the peer reads
     /// every one of them before it lets go of us.
@@ -185,6 +197,7 @@ impl QuicTransport {
             peers: (0..world)
                 .map(|_| PeerSlot {
                     conn: watch::channel(None).0,
+                    health: Mutex::new(None),
                     dial: tokio::sync::Mutex::new(()),
                     sent: AtomicU64::new(0),
                 })
@@ -268,8 +281,48 @@ impl QuicTransport {
 
     fn register(&self, peer: usize, conn: Connection) {
         if let Some(slot) = self.peers.get(peer) {
-            slot.conn.send_replace(Some(conn));
+            slot.conn.send_replace(Some(conn.clone()));
+            tokio::spawn(heartbeat::monitor(
+                self.me.clone(),
+                peer,
+                conn,
+                self.cfg.heartbeat,
+            ));
         }
+    }
+
+    fn note_health(&self, peer: usize, rtt: Duration, silent: Duration, limit: Duration) {
+        if let Some(slot) = self.peers.get(peer) {
+            *slot.health.lock().unwrap_or_else(|p| p.into_inner()) = Some((rtt, silent, limit));
+        }
+    }
+
+    /// What this rank knows of every other rank: connected or not, lost (and why), RTT,
+    /// time since last heard from.
+    pub fn health(&self) -> Vec<PeerHealth> {
+        (0..self.world)
+            .filter(|&p| p != self.rank)
+            .map(|p| {
+                let slot = &self.peers[p];
+                let connected = slot.conn.borrow().is_some();
+                let seen = *slot.health.lock().unwrap_or_else(|e| e.into_inner());
+                let lost = self.mailbox.peer_error(p);
+                PeerHealth {
+                    rank: p,
+                    state: if lost.is_some() {
+                        "lost"
+                    } else if connected {
+                        "connected"
+                    } else {
+                        "not connected"
+                    },
+                    rtt: seen.map(|s| s.0),
+                    last_seen: seen.map(|s| s.1),
+                    silence_limit: seen.map(|s| s.2),
+                    reason: lost.map(|e| e.to_string()),
+                }
+            })
+            .collect()
     }
 
     fn addr_of(&self, peer: usize) -> Option<SocketAddr> {

@@ -1,0 +1,85 @@
+//! Heartbeats and the failure detector.
+//!
+//! Every connection sends a QUIC PING every `interval` (quinn's keep-alive), which the peer's
+//! QUIC stack answers with an ACK from its own threads: a compute stall or a held GIL on the
+//! peer does not silence it, a killed, frozen (SIGSTOP) or cut-off peer does. A monitor task
+//! per connection watches the received-datagram counter and the RTT; a peer silent for
+//! longer than `misses × interval + max(floor, 1.3 × mean RTT)` (see
+//! [`crate::health::LatencyTracker::silence_limit`]) is declared lost: every wait on it fails
+//! with `PeerLost` at once, on this rank; the collectives then abort on the others.
+
+use super::{close_code, QuicTransport};
+use crate::error::Error;
+use crate::health::{LatencyConfig, LatencyTracker};
+use quinn::{Connection, VarInt};
+use std::sync::atomic::Ordering;
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+
+/// What this rank knows of one peer's health.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeerHealth {
+    /// The peer's rank.
+    pub rank: usize,
+    /// `"connected"`, `"not connected"` (no operation needed it yet) or `"lost"`.
+    pub state: &'static str,
+    /// Smoothed round-trip time, when connected.
+    pub rtt: Option<Duration>,
+    /// Time since the last datagram from the peer, when connected.
+    pub last_seen: Option<Duration>,
+    /// The silence after which the peer will be declared lost.
+    pub silence_limit: Option<Duration>,
+    /// Why the peer was declared lost.
+    pub reason: Option<String>,
+}
+
+/// Watches one connection until it closes or its peer falls silent.
+pub(super) async fn monitor(
+    me: Weak<QuicTransport>,
+    peer: usize,
+    conn: Connection,
+    interval: Duration,
+) {
+    let mut tracker = LatencyTracker::new(LatencyConfig::default());
+    let mut last_rx = conn.stats().udp_rx.datagrams;
+    let mut last_seen = Instant::now();
+    let tick = (interval / 2).max(Duration::from_millis(20));
+    loop {
+        tokio::time::sleep(tick).await;
+        if conn.close_reason().is_some() {
+            return;
+        }
+        let Some(t) = me.upgrade() else { return };
+        if t.closing.load(Ordering::Acquire) {
+            return;
+        }
+        let rx = conn.stats().udp_rx.datagrams;
+        if rx != last_rx {
+            last_rx = rx;
+            last_seen = Instant::now();
+            tracker.record(conn.rtt());
+        }
+        let limit = tracker.silence_limit(interval);
+        let silent = last_seen.elapsed();
+        t.note_health(peer, conn.rtt(), silent, limit);
+        if silent > limit {
+            let err = Error::PeerLost {
+                rank: peer,
+                op: "any operation".into(),
+                reason: format!(
+                    "no packets for {:.1} s (heartbeat every {:.2} s; limit {:.2} s = {} missed + max(1 s, 1.3 x mean RTT))",
+                    silent.as_secs_f64(),
+                    interval.as_secs_f64(),
+                    limit.as_secs_f64(),
+                    tracker.config().misses_allowed,
+                ),
+            };
+            t.mailbox.fail_peer(peer, err);
+            conn.close(
+                VarInt::from_u32(close_code::PEER_SILENT),
+                b"you fell silent",
+            );
+            return;
+        }
+    }
+}
