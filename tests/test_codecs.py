@@ -49,3 +49,11 @@ def test_round_trip_and_bad_codec() -> None:
         codec_round_trip(x.copy(), "zip")
     with pytest.raises(ValueError):
         codec_round_trip(np.zeros(4, "int32"), "int8")
+
+
+def test_auto_codec_is_agreed_by_every_rank() -> None:
+    results = ok(run("auto_codec", 2, timeout=60))
+    assert results[0][0] == results[1][0]
+    assert results[0][0] in ("none", "bf16", "int8")
+    for _, vals in results:
+        assert vals == [3.0, 3.0]  # 1 + 2, exact in every codec

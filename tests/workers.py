@@ -225,3 +225,10 @@ def any_source(rank: int, world: int) -> list[tuple[int, float]]:
             g.send(np.full(1000, float(rank), "float64"), dst=0)
         g.barrier()
     return got
+
+
+def auto_codec(rank: int, world: int) -> tuple[str, list[float]]:
+    with mcp.init(timeout=60) as g:
+        a = np.full(1 << 19, float(rank + 1), np.float32)
+        g.all_reduce(a, codec="auto")
+        return str(g._auto_codec), [float(a[0]), float(a[-1])]
