@@ -23,6 +23,39 @@ def free_port(kind: int) -> int:
         return int(s.getsockname()[1])
 
 
+def synthetic(rank: int, mib: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(rank)
+    base = torch.randn(mib << 18, generator=gen) * 1e-3
+    base[torch.rand(base.shape, generator=gen) < 0.1] = 0.0
+    return base
+
+
+def real_gradients(rank: int):
+    """The flattened gradients of the demo's digits MLP (widened to 64-1024-1024-10, ~5 MiB)
+    after a few training steps: what DDP would all-reduce."""
+    import torch
+    import torch.nn as nn
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)[rank::2]
+    y = torch.tensor(y, dtype=torch.long)[rank::2]
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for i in range(5):
+        opt.zero_grad()
+        nn.functional.cross_entropy(
+            model(x[i * 64 : (i + 1) * 64]), y[i * 64 : (i + 1) * 64]
+        ).backward()
+        opt.step()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).contiguous()
+
+
 def worker(rank: int, world: int, ports: tuple[int, int], args: argparse.Namespace, q) -> None:
     import torch
     import torch.distributed as dist
@@ -34,9 +67,7 @@ def worker(rank: int, world: int, ports: tuple[int, int], args: argparse.Namespa
         "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world
     )
     g = mcp.init(rank=rank, world_size=world, master_port=ports[1], secret="bench", timeout=300)
-    gen = torch.Generator().manual_seed(rank)
-    base = torch.randn(args.mib << 18, generator=gen) * 1e-3
-    base[torch.rand(base.shape, generator=gen) < 0.1] = 0.0
+    base = real_gradients(rank) if args.real else synthetic(rank, args.mib)
     t = base.clone()
     runs = {"gloo": lambda: dist.all_reduce(t)}
     for c in CODECS:
@@ -64,6 +95,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--real", action="store_true", help="gradients of the demo model")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -76,7 +108,8 @@ def main() -> None:
     times = q.get(timeout=1800)
     for pr in procs:
         pr.join(60)
-    print(f"all-reduce of {args.mib} MiB float32 gradients, {args.world} ranks")
+    what = "the demo model's gradients" if args.real else f"{args.mib} MiB of synthetic gradients"
+    print(f"all-reduce of {what} (float32), {args.world} ranks")
     print("| transport | time | vs Gloo |")
     print("|---|---|---|")
     for name, t in times.items():
