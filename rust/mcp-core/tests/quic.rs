@@ -136,3 +136,43 @@ async fn missing_rank_times_out_naming_it() {
     }
     let _ = r1.await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_peer_trips_the_breaker_and_later_dials_fail_fast() {
+    let ts = mesh(3, Some(b"s")).await;
+    // Rank 1 goes away before rank 2 ever dialled it (connections are made on demand, by the
+    // higher rank).
+    ts[1].shutdown().await;
+    let g2 = Group::new(ts[2].clone(), GroupConfig::default());
+    let mut data = vec![0f32; 4];
+    let shape = [4u64];
+    let send = |g: &Group<QuicTransport>, data: &mut Vec<f32>| {
+        let bytes = bytemuck_bytes(data);
+        // SAFETY: `data` outlives the awaited operation.
+        let buf = unsafe { RawBuf::new(bytes.as_mut_ptr(), bytes.len()) };
+        g.send(
+            Tensor {
+                buf,
+                dtype: DType::F32,
+                shape: &shape,
+                codec: Codec::None,
+            },
+            1,
+            0,
+        )
+    };
+    let first = send(&g2, &mut data).expect("valid").await;
+    assert!(first.is_err(), "sending to a dead rank must fail");
+    let t0 = std::time::Instant::now();
+    let second = send(&g2, &mut data).expect("valid").await;
+    match second {
+        Err(Error::PeerLost {
+            rank: 1, reason, ..
+        }) => assert!(reason.contains("circuit breaker"), "{reason}"),
+        other => panic!("expected the open breaker, got {other:?}"),
+    }
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "an open breaker must fail fast"
+    );
+}

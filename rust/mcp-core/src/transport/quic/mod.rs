@@ -130,6 +130,7 @@ pub struct QuicTransport {
     stats: QuicStats,
     chaos_kill: Arc<AtomicBool>,
     chaos_stats: Option<Arc<chaos::ChaosStats>>,
+    breakers: Mutex<crate::health::PeerBreakers>,
     corrupter: Option<Mutex<rand::rngs::StdRng>>,
 }
 
@@ -208,6 +209,7 @@ impl QuicTransport {
             stats: QuicStats::default(),
             chaos_kill,
             chaos_stats,
+            breakers: Mutex::new(crate::health::PeerBreakers::new(world, Default::default())),
             corrupter,
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
@@ -354,7 +356,7 @@ impl QuicTransport {
                 .addr_of(peer)
                 .ok_or_else(|| Error::Io(format!("address of rank {peer} unknown")))?;
             let deadline = Instant::now() + self.cfg.connect_timeout.min(Duration::from_secs(60));
-            let conn = self.dial_with_backoff(peer, addr, deadline).await?;
+            let conn = self.dial_with_backoff(peer, addr, deadline, true).await?;
             Ok(conn)
         } else {
             let mut rx = slot.conn.subscribe();
@@ -371,14 +373,34 @@ impl QuicTransport {
 
     /// Dials `peer` at `addr`, retrying with backoff until `deadline`; sends our Hello and
     /// starts reading the connection.
+    /// With `breaker`, a peer's circuit breaker guards the attempts: after 3 consecutive
+    /// failures it opens and dials fail at once until its cool-down ends, when one probe goes
+    /// through (the rendezvous goes without: ranks may start minutes apart).
     async fn dial_with_backoff(
         &self,
         peer: usize,
         addr: SocketAddr,
         deadline: Instant,
+        breaker: bool,
     ) -> Result<Connection> {
         let mut backoff = Backoff::default();
         loop {
+            if breaker {
+                let mut b = self.breakers.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(cb) = b.get_mut(peer) {
+                    if !cb.allow(Instant::now()) {
+                        return Err(Error::PeerLost {
+                            rank: peer,
+                            op: "connect".into(),
+                            reason: format!(
+                                "circuit breaker open after {} failed connection attempts; next probe in at most {:.1} s",
+                                cb.config().failure_threshold,
+                                cb.cooldown().as_secs_f64()
+                            ),
+                        });
+                    }
+                }
+            }
             let attempt =
                 Duration::from_secs(2).min(deadline.saturating_duration_since(Instant::now()));
             let res = match tokio::time::timeout(attempt, self.dial_once(peer, addr)).await {
@@ -388,6 +410,15 @@ impl QuicTransport {
                     after: attempt,
                 }),
             };
+            if breaker {
+                let mut b = self.breakers.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(cb) = b.get_mut(peer) {
+                    match &res {
+                        Ok(_) => cb.record_success(Instant::now()),
+                        Err(_) => cb.record_failure(Instant::now()),
+                    }
+                }
+            }
             match res {
                 Ok(c) => return Ok(c),
                 Err(

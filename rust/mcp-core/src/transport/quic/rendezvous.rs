@@ -97,7 +97,8 @@ pub(super) async fn run(t: &Arc<QuicTransport>, deadline: Instant) -> Result<()>
             let mut a = t.addrs.lock().unwrap_or_else(|p| p.into_inner());
             a[0] = Some(t.cfg.master);
         }
-        t.dial_with_backoff(0, t.cfg.master, deadline).await?;
+        t.dial_with_backoff(0, t.cfg.master, deadline, false)
+            .await?;
         let frame =
             match tokio::time::timeout_at(deadline_tokio, t.mailbox.recv(control_key(0))).await {
                 Ok(f) => f?,
