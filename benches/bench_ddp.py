@@ -1,0 +1,269 @@
+"""Time DDP training steps with backend "mcp" against "gloo", on loopback and on a lossy link.
+
+    python benches/bench_ddp.py [--steps 20] [--loss 0.2] [--links loopback,lossy]
+
+Two ranks (torchrun --standalone) train the same MLP (about 6 MiB of fp32 gradients with the
+default --width 1024) from the same seed on the same synthetic batches, once wrapped in DDP
+over the default "mcp" group and once over a "gloo" group of the same processes. The two run
+in alternating blocks of steps in the same processes, so both see the same machine at the
+same time. A step is forward, backward (with DDP's all-reduce) and the optimiser step; its
+time is measured on rank 0.
+
+Links: ``loopback`` is the plain 127.0.0.1; ``lossy`` runs the same under
+``mcp-chaos --loss P`` (a fresh network namespace whose loopback drops that share of the
+packets in both directions, via nftables), which needs root, iproute2 and nftables and is
+skipped with a message otherwise. Packets are dropped on arrival by default (``--hook input``),
+silently, as on a real lossy link; ``--hook output`` drops them as they are sent, where the
+sender's ``send`` fails with EPERM, and TCP (Gloo) then retransmits at once without waiting
+for a timeout, so that setting flatters Gloo. Prints a markdown table: median and p90 step time and
+samples/s per backend and link, and whether the two backends ended with the same parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BACKENDS = ("mcp", "gloo")
+
+
+# ---- worker (runs under torchrun) -------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import mcp_fast.torch  # noqa: F401  (registers the backend "mcp")
+
+    dist.init_process_group("mcp")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {"mcp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        w = args.width
+        return nn.Sequential(
+            nn.Linear(args.inputs, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10)
+        )
+
+    models = {b: make() for b in BACKENDS}
+    ddps = {
+        b: nn.parallel.DistributedDataParallel(models[b], process_group=groups[b]) for b in BACKENDS
+    }
+    opts = {b: torch.optim.SGD(ddps[b].parameters(), lr=0.01, momentum=0.9) for b in BACKENDS}
+    gens = {b: torch.Generator().manual_seed(1000 + rank) for b in BACKENDS}
+    times: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    n_params = sum(p.numel() for p in models["mcp"].parameters())
+
+    def step(b: str) -> float:
+        x = torch.randn(args.batch, args.inputs, generator=gens[b])
+        y = torch.randint(0, 10, (args.batch,), generator=gens[b])
+        t0 = time.perf_counter()
+        opts[b].zero_grad()
+        nn.functional.cross_entropy(ddps[b](x), y).backward()
+        opts[b].step()
+        return time.perf_counter() - t0
+
+    for b in BACKENDS:
+        for _ in range(args.warmup):
+            step(b)
+    block = max(1, args.block)
+    done = 0
+    order = list(BACKENDS)
+    t_end = time.monotonic() + args.budget
+    while done < args.steps and time.monotonic() < t_end:
+        k = min(block, args.steps - done)
+        for b in order:
+            dist.barrier(group=groups[b])
+            for _ in range(k):
+                times[b].append(step(b))
+        order.reverse()  # neither backend always goes first
+        done += k
+    same = all(
+        torch.equal(p, q)
+        for p, q in zip(models["mcp"].parameters(), models["gloo"].parameters(), strict=True)
+    )
+    diff = max(
+        (p - q).abs().max().item()
+        for p, q in zip(models["mcp"].parameters(), models["gloo"].parameters(), strict=True)
+    )
+    wire = groups["mcp"].mcp_group.stats()["bytes_sent"]
+    if rank == 0:
+        out = {
+            "world": world,
+            "params": n_params,
+            "grad_mib": n_params * 4 / 2**20,
+            "times": times,
+            "same_params": same,
+            "max_param_diff": diff,
+            "mcp_bytes_sent_rank0": wire,
+        }
+        Path(args.result).write_text(json.dumps(out))
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+
+def _lossy_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    missing = [t for t in ("ip", "nft") if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install -y iproute2 nftables)"
+    return None
+
+
+def _run_link(args: argparse.Namespace, link: str, result: Path) -> tuple[int, float, str]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [
+        *torchrun,
+        "--nproc-per-node",
+        "2",
+        os.path.abspath(__file__),
+        "--worker",
+        "--result",
+        str(result),
+        *("--steps", str(args.steps), "--warmup", str(args.warmup), "--block", str(args.block)),
+        *("--batch", str(args.batch), "--width", str(args.width), "--inputs", str(args.inputs)),
+        *("--budget", str(args.budget)),
+    ]
+    if link == "lossy":
+        chaos = shutil.which("mcp-chaos") or str(Path(sys.executable).with_name("mcp-chaos"))
+        cmd = [chaos, "--loss", str(args.loss), "--hook", args.hook, "--", *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env.pop("MCP_CHAOS", None)
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(
+            cmd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.budget + 60,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired as e:
+        # subprocess.run kills the child; mcp-chaos deletes its namespace and what is in it.
+        out = (e.stderr or b"")[-2000:]
+        return (
+            -1,
+            time.monotonic() - t0,
+            out.decode(errors="replace") if isinstance(out, bytes) else out,
+        )
+    return r.returncode, time.monotonic() - t0, (r.stdout + r.stderr)[-3000:]
+
+
+def _row(link: str, backend: str, times: list[float], batch: int, world: int) -> str:
+    med = statistics.median(times)
+    p90 = sorted(times)[min(len(times) - 1, int(0.9 * len(times)))]
+    sps = batch * world / med
+    return f"| {link} | {backend} | {len(times)} | {med * 1e3:.2f} | {p90 * 1e3:.2f} | {sps:,.0f} |"
+
+
+def driver(args: argparse.Namespace) -> int:
+    links = [x.strip() for x in args.links.split(",") if x.strip()]
+    bad = [x for x in links if x not in ("loopback", "lossy")]
+    if bad:
+        print(f"bench_ddp: unknown link(s) {bad}; use loopback,lossy", file=sys.stderr)
+        return 2
+    rows, notes = [], []
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="bench_ddp") as d:
+        for link in links:
+            label = (
+                "loopback"
+                if link == "loopback"
+                else f"{args.loss:.0%} loss, {args.hook} hook (netns)"
+            )
+            if link == "lossy":
+                why = _lossy_unavailable()
+                if why:
+                    print(f"skipping the lossy link: {why}", file=sys.stderr)
+                    notes.append(f"- {label}: skipped, {why}")
+                    continue
+            result = Path(d) / f"{link}.json"
+            print(f"== {label}: 2 ranks, mcp and gloo interleaved ...", file=sys.stderr, flush=True)
+            rc, wall, log = _run_link(args, link, result)
+            if rc != 0 or not result.exists():
+                failed = True
+                print(f"{label}: failed (exit {rc}) after {wall:.0f} s\n{log}", file=sys.stderr)
+                notes.append(f"- {label}: FAILED (exit {rc})")
+                continue
+            res = json.loads(result.read_text())
+            for b in BACKENDS:
+                if res["times"][b]:
+                    rows.append(_row(label, b, res["times"][b], args.batch, res["world"]))
+            t = res["times"]
+            if t["mcp"] and t["gloo"]:
+                ratio = statistics.median(t["gloo"]) / statistics.median(t["mcp"])
+                notes.append(
+                    f"- {label}: mcp {ratio:.2f}x gloo's speed (median step); parameters after "
+                    f"training {'bit-identical' if res['same_params'] else 'differ'} "
+                    f"(max |diff| {res['max_param_diff']:.2e}); mcp rank 0 sent "
+                    f"{res['mcp_bytes_sent_rank0'] / 2**20:.1f} MiB; run took {wall:.0f} s"
+                )
+            grad_mib = res["grad_mib"]
+            n_params = res["params"]
+    print()
+    if rows:
+        print(
+            f"DDP, 2 ranks, MLP {args.inputs}-{args.width}-{args.width}-10 ({n_params:,} "
+            f"parameters, {grad_mib:.1f} MiB fp32 gradients), batch {args.batch} per rank, "
+            f"OMP_NUM_THREADS={args.threads}\n"
+        )
+        print("| link | backend | steps | median step (ms) | p90 step (ms) | samples/s |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(rows))
+        print()
+    print("\n".join(notes))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Example: python benches/bench_ddp.py --steps 20 --loss 0.2",
+    )
+    p.add_argument("--links", default="loopback,lossy", help="loopback,lossy (default: both)")
+    p.add_argument("--loss", type=float, default=0.2, help="drop probability of the lossy link")
+    p.add_argument(
+        "--hook",
+        choices=("output", "input"),
+        default="input",
+        help="where mcp-chaos drops packets: input (silent, as a lossy link; default) or "
+        "output (the sender's send fails with EPERM, which TCP recovers from at once)",
+    )
+    p.add_argument("--steps", type=int, default=20, help="timed steps per backend and link")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per backend first")
+    p.add_argument("--block", type=int, default=5, help="steps per backend before switching")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+    p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
+    p.add_argument("--inputs", type=int, default=512, help="input features")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    p.add_argument(
+        "--budget", type=float, default=75.0, help="seconds of timed steps per link at most"
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not 0.0 <= args.loss < 1.0:
+        p.error("--loss must be in [0, 1)")
+    if min(args.steps, args.block, args.batch, args.width, args.inputs, args.threads) < 1:
+        p.error("--steps, --block, --batch, --width, --inputs, --threads must be positive")
+    return worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
