@@ -35,7 +35,7 @@ demo: $(BUILT)
 	  apt-get install -y -qq nftables >/dev/null 2>&1 || true; fi
 	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null && command -v nft >/dev/null; then \
 	  echo "== DDP over MCP, 2 ranks, 10% random packet loss (mcp-chaos network namespace)"; \
-	  $(VENV)/bin/mcp-chaos --loss 0.1 --timeout 600 -- $(TRAIN); \
+	  $(VENV)/bin/mcp-chaos --loss 0.1 --hook input --timeout 600 -- $(TRAIN); \
 	else \
 	  echo "== DDP over MCP, 2 ranks, loopback (root with iproute2+nftables adds a lossy link)"; \
 	  $(TRAIN); \

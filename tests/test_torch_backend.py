@@ -124,3 +124,28 @@ def test_int8_with_error_feedback_converges_like_uncompressed() -> None:
 def test_recv_without_a_source() -> None:
     got = ok(run("torch_workers.torch_any_source", 3, timeout=90))[0]
     assert got == [2, 1]
+
+
+def test_bind_address_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from mcp_fast.torch import backend
+
+    monkeypatch.setenv("MCP_BIND_ADDR", "10.1.2.3")
+    assert backend._bind_ip() == "10.1.2.3"
+    monkeypatch.delenv("MCP_BIND_ADDR")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert backend._bind_ip() == "127.0.0.1"
+    # A host name that resolves to loopback on a multi-node job: nobody else could reach it.
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(
+        socket,
+        "getaddrinfo",
+        lambda *a, **k: [(socket.AF_INET, socket.SOCK_DGRAM, 17, "", ("127.0.1.1", 0))],
+    )
+    with pytest.raises(ValueError, match="--local-addr"):
+        backend._bind_ip()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a single node: loopback is right
+    assert backend._bind_ip() == "127.0.1.1"

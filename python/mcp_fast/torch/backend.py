@@ -115,8 +115,11 @@ def _is_local(ip: str) -> bool:
 
 
 def _bind_ip() -> str:
-    """The address rank 0 listens on: MASTER_ADDR when it is ours, else our address on the
-    route to it; loopback when no MASTER_ADDR is set (a single-host job)."""
+    """The address rank 0 listens on: ``MCP_BIND_ADDR`` when set; else MASTER_ADDR when it is
+    ours, else our address on the route to it; loopback when no MASTER_ADDR is set."""
+    explicit = os.environ.get("MCP_BIND_ADDR")
+    if explicit:
+        return explicit
     master = os.environ.get("MASTER_ADDR")
     if not master:
         return "127.0.0.1"
@@ -124,6 +127,16 @@ def _bind_ip() -> str:
     ips = [i[4][0] for i in infos if i[0] == socket.AF_INET] or [i[4][0] for i in infos]
     for ip in ips:
         if _is_local(ip):
+            multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) < int(
+                os.environ.get("WORLD_SIZE", "0") or 0
+            )
+            literal_loopback = master in ("localhost",) or master.startswith("127.")
+            if ipaddress.ip_address(ip).is_loopback and multi_node and not literal_loopback:
+                raise ValueError(
+                    f"MASTER_ADDR={master!r} resolves to the loopback address {ip} on rank 0's "
+                    "host, which the other nodes cannot reach: start torchrun with "
+                    "--local-addr=<this node's IP>, or set MCP_BIND_ADDR to it"
+                )
             return ip
     fam = socket.AF_INET6 if ":" in ips[0] else socket.AF_INET
     with socket.socket(fam, socket.SOCK_DGRAM) as s:
@@ -144,6 +157,8 @@ class MCPProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         seconds = max(1.0, timeout.total_seconds())
+        # The rendezvous may be bounded more tightly than operations (MCP_CONNECT_TIMEOUT).
+        connect = float(os.environ.get("MCP_CONNECT_TIMEOUT", seconds))
         secret = os.environ.get("MCP_SECRET")
         if secret is None:
             if rank == 0:
@@ -154,20 +169,28 @@ class MCPProcessGroup(dist.ProcessGroup):
         kwargs: dict[str, Any] = {
             "secret": secret.encode(),
             "timeout": seconds,
-            "connect_timeout": seconds,
+            "connect_timeout": min(seconds, connect),
             "idle_timeout": float(os.environ.get("MCP_IDLE_TIMEOUT", "30")),
         }
         if rank == 0:
+            try:
+                ip = _bind_ip()
+            except ValueError as e:
+                store.set("mcp/addr", f"error:{e}")  # the other ranks raise it too, not wait
+                raise
             core = _core.ProcessGroup(
                 0,
                 size,
-                _bind_ip(),
+                ip,
                 0,
                 on_bound=lambda addr: store.set("mcp/addr", addr),
                 **kwargs,
             )
         else:
-            host, port = _split_addr(store.get("mcp/addr").decode())
+            addr = store.get("mcp/addr").decode()
+            if addr.startswith("error:"):
+                raise ValueError(f"rank 0 could not start the mcp backend: {addr[6:]}")
+            host, port = _split_addr(addr)
             core = _core.ProcessGroup(rank, size, host, port, **kwargs)
         self._mcp = Group(core)
         # Completion threads: enough that a hook waiting inside a callback never starves them.
