@@ -278,3 +278,23 @@ def torch_any_source(rank: int, world: int) -> list[int]:
     dist.barrier()
     dist.destroy_process_group()
     return got
+
+
+def cuda_collectives(rank: int, world: int) -> dict[str, Any]:
+    """CUDA tensors through the backend (staged via pinned host buffers)."""
+    _init()
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    t = torch.full((1 << 20,), float(rank + 1), device=dev)
+    dist.all_reduce(t)
+    b = (
+        torch.arange(1000, dtype=torch.float32, device=dev)
+        if rank == 0
+        else torch.zeros(1000, device=dev)
+    )
+    dist.broadcast(b, src=0)
+    out = torch.empty(world * 4, device=dev)
+    dist.all_gather_into_tensor(out, torch.full((4,), float(rank), device=dev))
+    res = {"all_reduce": t.cpu(), "broadcast": b.cpu(), "all_gather": out.cpu()}
+    dist.destroy_process_group()
+    return res
