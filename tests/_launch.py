@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -29,10 +30,23 @@ class Failure:
 
 
 def free_port() -> int:
-    """A UDP port on 127.0.0.1 that nobody is bound to right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free for both UDP (our rank 0) and TCP (torch's store) on 127.0.0.1.
+
+    Chosen below the kernel's ephemeral range (32768 and up), so that sockets other processes
+    bind to port 0 meanwhile cannot take it between this check and rank 0's bind.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                u.bind(("127.0.0.1", port))
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+                t.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port found in 20000-32000")
 
 
 def plain(obj: Any) -> Any:
