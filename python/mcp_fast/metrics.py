@@ -239,7 +239,13 @@ def _start_builtin(source: _Source, addr: str, port: int) -> tuple[Any, threadin
 
 
 def _start_prometheus_client(source: _Source, addr: str, port: int) -> tuple[Any, threading.Thread]:
-    from prometheus_client import CollectorRegistry, start_http_server
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as e:
+        raise ImportError(
+            f"prometheus_client is not installed ({e}): pip install 'mcp-fast[metrics]', "
+            "or pass use_prometheus_client=None to fall back to the built-in server"
+        ) from None
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
     class Collector:

@@ -88,6 +88,7 @@ def scrape(url: str, timeout: float) -> dict[tuple[str, Labels], float]:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             text = r.read().decode("utf-8")
     except urllib.error.HTTPError as e:
+        e.close()
         raise EndpointError(f"{url}: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
