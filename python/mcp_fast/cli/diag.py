@@ -142,6 +142,7 @@ def network_probe(
             g.all_reduce(small)
             lat.append(time.perf_counter() - t0)
         g.barrier()
+        sent_before = g.stats()["bytes_sent"]
         start = time.perf_counter()
         for _ in range(count):
             g.all_reduce(big)
@@ -163,7 +164,7 @@ def network_probe(
         "allreduce_time_s": elapsed / count,
         "algbw_Bps": algbw,
         "busbw_Bps": algbw * 2 * (world - 1) / world,
-        "wire_sent_Bps": (t_after["bytes_sent"] - t_before["bytes_sent"]) / elapsed,
+        "wire_sent_Bps": (t_after["bytes_sent"] - sent_before) / elapsed,
         "transport": _delta(t_after, t_before),
         "chaos": _delta(c_after, c_before),
     }
