@@ -63,6 +63,18 @@ def _group_snapshot(g: Group) -> dict[str, Any]:
     return out
 
 
+def _open_groups() -> list[Group]:
+    """The live groups, in a stable order (a WeakSet cannot be iterated while another thread
+    adds to it: retry a few times)."""
+    for _ in range(5):
+        try:
+            found = list(_live_groups)
+        except RuntimeError:  # "Set changed size during iteration"
+            continue
+        return sorted(found, key=lambda g: (g.rank, g.world_size, id(g)))
+    return []
+
+
 def snapshot(group: Group | None = None) -> dict[str, Any]:
     """The metrics of ``group``, or of every open group of this process.
 
@@ -72,7 +84,7 @@ def snapshot(group: Group | None = None) -> dict[str, Any]:
     without a fault injector) and ``ops`` (``{"all_reduce": {"started": n, "ok": n,
     "failed": n}, ...}``).
     """
-    groups = [group] if group is not None else sorted(_live_groups, key=lambda g: g.rank)
+    groups = [group] if group is not None else _open_groups()
     return {
         "timestamp": time.time(),
         "pid": os.getpid(),
