@@ -20,6 +20,11 @@ def _some_traffic(g: mcp.Group, rank: int, world: int) -> None:
     g.broadcast(a, src=0)
     w = g.all_reduce(np.ones(10, np.float64), async_op=True)
     assert w is not None and w.wait()
+    small = np.arange(8, dtype=np.int32)
+    if rank == 0:
+        g.send(small, dst=1)
+    elif rank == 1:
+        assert g.recv(small, src=None) == 0  # a sync recv returns the sender's rank
     g.barrier()
     try:  # rejected before anything is sent: counts as a failed broadcast on every rank
         g.broadcast(a, src=world)

@@ -59,6 +59,8 @@ def test_snapshot_after_collectives_in_two_ranks():
         assert g["ops"]["all_reduce"] == {"started": 4, "ok": 4, "failed": 0}
         assert g["ops"]["broadcast"] == {"started": 2, "ok": 1, "failed": 1}
         assert g["ops"]["barrier"] == {"started": 1, "ok": 1, "failed": 0}
+        p2p = "send" if rank == 0 else "recv"
+        assert g["ops"][p2p] == {"started": 1, "ok": 1, "failed": 0}
         # after close: counters of Python survive, the transport is gone
         c = r["closed"]["groups"][0]
         assert c["open"] is False and c["transport"] == {} and c["rtt"] == {}

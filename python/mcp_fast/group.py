@@ -108,7 +108,7 @@ def _finish(work: _core.Work, async_op: bool) -> Work | None:
 
 
 _P = ParamSpec("_P")
-_R = TypeVar("_R", bound="Work | None")
+_R = TypeVar("_R")
 
 
 def _counted(
@@ -127,10 +127,10 @@ def _counted(
             except BaseException:
                 m.failed[op] = m.failed.get(op, 0) + 1
                 raise
-            if w is None:
-                m.ok[op] = m.ok.get(op, 0) + 1
-            else:
+            if isinstance(w, Work):  # async_op=True: counted when waited for
                 w._counts, w._op = m, op
+            else:  # None, or recv's source rank
+                m.ok[op] = m.ok.get(op, 0) + 1
             return w
 
         return counted
