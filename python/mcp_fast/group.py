@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from . import _core
 from ._buffers import Buffer, view
@@ -27,17 +29,56 @@ def _op_name(op: Any) -> str:
     return name
 
 
+class _OpCounts:
+    """Operations started, and finished ok or failed, by kind (``all_reduce``, ``send``...),
+    as seen from Python: read by :mod:`mcp_fast.metrics`. An operation started with
+    ``async_op=True`` counts as finished when its :meth:`Work.wait` returns or raises.
+
+    A plain dict increment per event, no lock: under the GIL two threads can lose an
+    increment only if both finish an operation of the same kind within one bytecode.
+    """
+
+    __slots__ = ("failed", "ok", "started")
+
+    def __init__(self) -> None:
+        self.started: dict[str, int] = {}
+        self.ok: dict[str, int] = {}
+        self.failed: dict[str, int] = {}
+
+    def copy(self) -> dict[str, dict[str, int]]:
+        """``{op: {"started": n, "ok": n, "failed": n}}``."""
+        started, ok, failed = dict(self.started), dict(self.ok), dict(self.failed)
+        return {
+            op: {"started": started.get(op, 0), "ok": ok.get(op, 0), "failed": failed.get(op, 0)}
+            for op in sorted(started.keys() | ok.keys() | failed.keys())
+        }
+
+
 class Work:
     """Handle of an operation started with ``async_op=True``."""
 
-    __slots__ = ("_work",)
+    __slots__ = ("_counts", "_op", "_work")
 
     def __init__(self, work: _core.Work) -> None:
         self._work = work
+        self._counts: _OpCounts | None = None  # set by @_counted; cleared once counted
+        self._op = ""
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; raise the operation's error if it failed (an MCPError subclass)."""
-        return self._work.wait(timeout)
+        try:
+            done = self._work.wait(timeout)
+        except BaseException:
+            if self._counts is not None and self._work.is_completed():
+                f = self._counts.failed
+                f[self._op] = f.get(self._op, 0) + 1
+                self._counts = None
+            raise
+        if done and self._counts is not None:
+            ok = self._counts.ok
+            ok[self._op] = ok.get(self._op, 0) + 1
+            self._counts = None
+        return done
 
     def is_completed(self) -> bool:
         """True once the operation has finished, successfully or not."""
@@ -66,6 +107,37 @@ def _finish(work: _core.Work, async_op: bool) -> Work | None:
     return None
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _counted(
+    op: str,
+) -> Callable[[Callable[Concatenate[Group, _P], _R]], Callable[Concatenate[Group, _P], _R]]:
+    """Count the calls of a Group operation in ``group._metrics``: started, then ok or failed
+    (for ``async_op=True``, when the returned Work's ``wait`` returns or raises)."""
+
+    def deco(fn: Callable[Concatenate[Group, _P], _R]) -> Callable[Concatenate[Group, _P], _R]:
+        @functools.wraps(fn)
+        def counted(self: Group, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            m = self._metrics
+            m.started[op] = m.started.get(op, 0) + 1
+            try:
+                w = fn(self, *args, **kwargs)
+            except BaseException:
+                m.failed[op] = m.failed.get(op, 0) + 1
+                raise
+            if isinstance(w, Work):  # async_op=True: counted when waited for
+                w._counts, w._op = m, op
+            else:  # None, or recv's source rank
+                m.ok[op] = m.ok.get(op, 0) + 1
+            return w
+
+        return counted
+
+    return deco
+
+
 class Group:
     """The ranks of one job. Every rank must call the same collectives in the same order.
 
@@ -79,6 +151,7 @@ class Group:
         self._core: _core.ProcessGroup | None = core
         self.rank: int = core.rank
         self.world_size: int = core.world_size
+        self._metrics = _OpCounts()
         self._auto_codec: str | None = None
         _live_groups.add(self)
 
@@ -116,6 +189,7 @@ class Group:
         """Smoothed round-trip time to ``peer`` in seconds, once connected."""
         return self.core.rtt(peer)
 
+    @_counted("all_reduce")
     def all_reduce(
         self,
         tensor: Any,
@@ -188,6 +262,7 @@ class Group:
         self.all_reduce(agreed, op="max")
         return list(candidates)[int(np.argmin(agreed))]
 
+    @_counted("broadcast")
     def broadcast(
         self,
         tensor: Any,
@@ -203,6 +278,7 @@ class Group:
         w = self.core.broadcast(b.ptr, b.nbytes, b.dtype, list(b.shape), src, b.obj, codec, block)
         return _finish(w, async_op)
 
+    @_counted("all_gather")
     def all_gather(
         self,
         out: Any,
@@ -235,6 +311,7 @@ class Group:
         )
         return _finish(w, async_op)
 
+    @_counted("reduce_scatter")
     def reduce_scatter(
         self,
         out: Any,
@@ -270,10 +347,12 @@ class Group:
         )
         return _finish(w, async_op)
 
+    @_counted("barrier")
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every rank has entered the barrier."""
         return _finish(self.core.barrier(), async_op)
 
+    @_counted("send")
     def send(
         self,
         tensor: Any,
@@ -291,6 +370,7 @@ class Group:
         )
         return _finish(w, async_op)
 
+    @_counted("recv")
     def recv(
         self,
         tensor: Any,

@@ -1,5 +1,5 @@
-"""Command-line tools of mcp_fast: ``mcp-diag`` (:mod:`.diag`) and ``mcp-chaos``
-(:mod:`.chaos`). Each has ``main(argv=None) -> int``."""
+"""Command-line tools of mcp_fast: ``mcp-diag`` (:mod:`.diag`), ``mcp-chaos``
+(:mod:`.chaos`) and ``mcp-monitor`` (:mod:`.monitor`). Each has ``main(argv=None) -> int``."""
 
 from __future__ import annotations
 

@@ -3,13 +3,27 @@
 Commands::
 
     mcp-diag disk --path DIR [--size 4MiB] [--count 50] [--json]
+    mcp-diag network --rank R --world N --master HOST:PORT [--secret S] [--size 16MiB]
+                     [--count 20] [--timeout 60] [--json]
 
 ``disk`` writes ``count`` blocks of ``size`` random bytes to a temporary file in DIR, calling
 ``fsync`` after each, and reports the latency of each write+fsync (p50, p99, max) and the
 throughput (bytes written / total time): what a checkpoint write to that filesystem costs.
 The temporary file is removed afterwards, also on error or Ctrl-C.
 
-Exit status: 0 on success, 2 on an error (bad arguments, path not writable, no space).
+``network`` runs on every rank of a job (on several machines, or several times on one: rank 0
+listens on UDP HOST:PORT, the others connect to it) and measures, over MCP itself: the
+latency of ``count`` small all-reduces (4 bytes: one exchange between two ranks, so about one
+round trip) with p50/p99/max, the smoothed QUIC round-trip time to each peer, the bandwidth of
+``count`` all-reduces of ``size`` bytes (algorithm bandwidth = size / time; bus bandwidth =
+algorithm bandwidth × 2(N-1)/N, the bytes each rank moves, as nccl-tests report it), the
+bytes the transport sent and received meanwhile, and loss hints: corrupt frames, refused
+handshakes and, under a fault injector (``MCP_CHAOS``), the datagrams it dropped. Each rank
+prints its own table. The secret defaults to ``MCP_SECRET``, else rank 0 makes one and hands
+it out at the rendezvous (see the README).
+
+Exit status: 0 on success, 2 on an error (bad arguments, path not writable, no space, a peer
+that never came or a failed operation).
 """
 
 from __future__ import annotations
@@ -23,10 +37,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
+from ..errors import MCPError
 from . import parse_size
 
-__all__ = ["disk_latency", "main"]
+__all__ = ["disk_latency", "main", "network_probe"]
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -87,6 +103,144 @@ def _disk(args: argparse.Namespace) -> int:
     return 0
 
 
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def network_probe(
+    rank: int,
+    world: int,
+    host: str,
+    port: int,
+    secret: str | None,
+    size: int,
+    count: int,
+    timeout: float,
+) -> dict[str, Any]:
+    """Join a job as ``rank`` and measure latency, bandwidth and loss hints over MCP."""
+    import numpy as np
+
+    import mcp_fast as mcp
+
+    with mcp.init(
+        rank=rank,
+        world_size=world,
+        master_addr=host,
+        master_port=port,
+        secret=secret,
+        timeout=timeout,
+    ) as g:
+        small = np.ones(1, np.float32)
+        big = np.ones(max(1, size // 4), np.float32)
+        g.all_reduce(small)  # warm up: connections to every peer
+        g.all_reduce(big)
+        g.barrier()
+        t_before, c_before = g.stats(), g.chaos_stats()
+        lat: list[float] = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            g.all_reduce(small)
+            lat.append(time.perf_counter() - t0)
+        g.barrier()
+        sent_before = g.stats()["bytes_sent"]
+        start = time.perf_counter()
+        for _ in range(count):
+            g.all_reduce(big)
+        elapsed = time.perf_counter() - start
+        t_after, c_after = g.stats(), g.chaos_stats()
+        rtt = {p: g.rtt(p) for p in range(world) if p != rank}
+        g.barrier()  # nobody leaves while a peer still measures
+    lat.sort()
+    algbw = big.nbytes * count / elapsed if elapsed > 0 else float("inf")
+    return {
+        "rank": rank,
+        "world_size": world,
+        "count": count,
+        "size": int(big.nbytes),
+        "latency_p50_s": _percentile(lat, 0.50),
+        "latency_p99_s": _percentile(lat, 0.99),
+        "latency_max_s": lat[-1],
+        "rtt_s": rtt,
+        "allreduce_time_s": elapsed / count,
+        "algbw_Bps": algbw,
+        "busbw_Bps": algbw * 2 * (world - 1) / world,
+        "wire_sent_Bps": (t_after["bytes_sent"] - sent_before) / elapsed,
+        "transport": _delta(t_after, t_before),
+        "chaos": _delta(c_after, c_before),
+    }
+
+
+def _network(args: argparse.Namespace) -> int:
+    host, port = args.master
+    if not 0 <= args.rank < args.world:
+        raise ValueError(f"--rank {args.rank} is not a rank of --world {args.world}")
+    r = network_probe(
+        args.rank, args.world, host, port, args.secret, args.size, args.count, args.timeout
+    )
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    tr, ch = r["transport"], r["chaos"]
+    print(
+        f"network rank {r['rank']}/{r['world_size']} via {host}:{port}: "
+        f"{r['count']} x 4 B and {r['count']} x {r['size']} B all-reduces"
+    )
+    print(f"  {'peer':>6}  {'QUIC RTT':>10}")
+    for peer, rtt in r["rtt_s"].items():
+        shown = "not conn." if rtt is None else f"{rtt * 1e3:.3f} ms"
+        print(f"  {peer:>6}  {shown:>10}")
+    print(
+        f"  RTT (4 B all-reduce)  p50 {r['latency_p50_s'] * 1e3:.3f} ms   "
+        f"p99 {r['latency_p99_s'] * 1e3:.3f} ms   max {r['latency_max_s'] * 1e3:.3f} ms"
+    )
+    print(
+        f"  bandwidth             {r['algbw_Bps'] / 1e6:.1f} MB/s algorithm, "
+        f"{r['busbw_Bps'] / 1e6:.1f} MB/s bus, {r['wire_sent_Bps'] / 1e6:.1f} MB/s sent "
+        f"on the wire ({r['allreduce_time_s'] * 1e3:.2f} ms per all-reduce)"
+    )
+    hints = [f"corrupt frames {tr.get('corrupt_frames', 0)}"]
+    hints.append(f"refused handshakes {tr.get('refused_handshakes', 0)}")
+    if ch:
+        dropped = ch.get("send_dropped", 0) + ch.get("recv_dropped", 0) + ch.get("rate_dropped", 0)
+        total = ch.get("sent", 0) + ch.get("received", 0)
+        pct = f" ({100 * dropped / total:.1f}% of datagrams)" if total else ""
+        hints.append(f"fault injector dropped {dropped}{pct}")
+    else:
+        hints.append("no fault injector (QUIC's own loss counters are not exposed)")
+    p50, p99 = r["latency_p50_s"], r["latency_p99_s"]
+    if r["count"] >= 20 and p99 > 5 * p50 and p99 - p50 > 1e-3:
+        hints.append("p99 > 5 x p50: retransmissions or a busy host")
+    print(f"  loss hints            {'; '.join(hints)}")
+    return 0
+
+
+def _master(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r} (example: 127.0.0.1:29500)")
+    return host.strip("[]"), int(port)
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < t <= 86400:
+        raise argparse.ArgumentTypeError("must be in (0, 86400] seconds")
+    return t
+
+
 def _size(text: str) -> int:
     try:
         n = parse_size(text)
@@ -124,6 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--count", type=_count, default=50, help="blocks to write (default 50)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=_disk)
+    n = sub.add_parser(
+        "network",
+        help="latency, bandwidth and loss hints between ranks, over MCP",
+        description="Run once per rank (rank 0 listens on UDP HOST:PORT). Measures COUNT "
+        "small all-reduces (latency, about one round trip with 2 ranks), COUNT all-reduces "
+        "of SIZE bytes (bandwidth), the QUIC RTT to each peer and loss hints.",
+        epilog="Example, two shells: mcp-diag network --rank 0 --world 2 --master "
+        "127.0.0.1:29500   and   mcp-diag network --rank 1 --world 2 --master 127.0.0.1:29500",
+    )
+    n.add_argument("--rank", type=_nonneg_int, required=True, help="this process's rank")
+    n.add_argument("--world", type=_nonneg_int, required=True, help="number of ranks")
+    n.add_argument(
+        "--master", type=_master, required=True, help="HOST:PORT where rank 0 listens (UDP)"
+    )
+    n.add_argument("--secret", help="job secret (default: MCP_SECRET, else made by rank 0)")
+    n.add_argument("--size", type=_size, default=16 << 20, help="bandwidth message (16MiB)")
+    n.add_argument("--count", type=_count, default=20, help="repetitions of each test (20)")
+    n.add_argument(
+        "--timeout", type=_seconds, default=60.0, help="bound on the rendezvous and each op (60)"
+    )
+    n.add_argument("--json", action="store_true", help="print one JSON object")
+    n.set_defaults(func=_network)
     return p
 
 
@@ -131,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, MCPError) as e:
         print(f"mcp-diag: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
