@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mcp_fast as mcp
-from _launch import Failure, run
+from _launch import Failure, ok, run
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +149,8 @@ def test_frozen_peer_is_reported_by_every_survivor() -> None:
 def test_closed_group_refuses_operations() -> None:
     (f,) = run("closed_group", 1, timeout=30)
     assert isinstance(f, Failure) and f.type == "GroupClosedError", f
+
+
+def test_abort_cancels_an_operation_in_flight() -> None:
+    elapsed, _ = ok(run("aborted", 2, timeout=60))
+    assert elapsed < 1.0

@@ -232,3 +232,21 @@ def auto_codec(rank: int, world: int) -> tuple[str, list[float]]:
         a = np.full(1 << 19, float(rank + 1), np.float32)
         g.all_reduce(a, codec="auto")
         return str(g._auto_codec), [float(a[0]), float(a[-1])]
+
+
+def aborted(rank: int, world: int) -> float:
+    """Rank 0 starts an all-reduce that rank 1 never joins, then aborts it."""
+    g = mcp.init(timeout=60)
+    if rank == 1:
+        time.sleep(3)
+        g.close()
+        return 0.0
+    w = g.all_reduce(np.ones(1000, "float32"), async_op=True)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    g.abort()
+    try:
+        w.wait()
+    except mcp.GroupClosedError:
+        return time.monotonic() - t0
+    raise AssertionError("the aborted operation did not fail")

@@ -399,6 +399,13 @@ class Group:
         source = w.source_rank()
         return source if source is not None else int(src)  # type: ignore[arg-type]
 
+    def abort(self) -> None:
+        """Cancel every operation in flight now: each raises ``GroupClosedError``; then
+        close the group (its peers see it leave)."""
+        if self._core is not None:
+            self._core.abort()
+        self.close()
+
     def close(self) -> None:
         """Deliver what was sent, say goodbye to the peers and release the socket."""
         core, self._core = self._core, None

@@ -521,6 +521,7 @@ class MCPProcessGroup(dist.ProcessGroup):
         self._pool.shutdown(wait=True)
 
     def abort(self) -> None:
+        self._mcp.abort()  # in-flight operations fail at once
         self.shutdown()
 
 

@@ -508,6 +508,11 @@ impl ProcessGroup {
         self.start(py, "recv", fut, keepalive)
     }
 
+    /// Cancels every operation in flight now (they raise GroupClosedError).
+    fn abort(&self) {
+        self.group.abort();
+    }
+
     /// Closes the group: delivers what was sent, says goodbye, releases the socket.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let rt = runtime(py)?;

@@ -537,6 +537,32 @@ async fn different_collectives_on_different_ranks_are_a_mismatch() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_cancels_an_operation_in_flight_at_once() {
+    let ts = network(2, None);
+    let g = Group::new(ts[0].clone(), cfg());
+    let mut buf = vec![0u8; 4000];
+    let shape = [1000u64];
+    // SAFETY: `buf` outlives the awaited operation.
+    let t = Tensor {
+        buf: unsafe { RawBuf::from_slice(&mut buf) },
+        dtype: DType::F32,
+        shape: &shape,
+        codec: Codec::None,
+    };
+    let op = tokio::spawn(
+        g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)
+            .expect("valid"),
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t0 = std::time::Instant::now();
+    g.abort();
+    let res = op.await.expect("join");
+    assert!(matches!(res, Err(Error::Closed(_))), "{res:?}");
+    assert!(t0.elapsed() < Duration::from_millis(500));
+    assert!(matches!(g.barrier(), Err(Error::Closed(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_never_comes_is_a_timeout_for_everyone_else() {
     let mut c = cfg();
     c.timeout = Duration::from_millis(300);

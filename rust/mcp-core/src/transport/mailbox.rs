@@ -274,8 +274,11 @@ impl Mailbox {
             let notified = self.aborts.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(e) = self.lock().aborted.get(&(lane, seq)) {
-                return e.clone();
+            {
+                let inner = self.lock();
+                if let Some(e) = inner.aborted.get(&(lane, seq)).or(inner.closed.as_ref()) {
+                    return e.clone();
+                }
             }
             notified.await;
         }
@@ -332,6 +335,10 @@ impl Mailbox {
                 let _ = tx.send(Err(err.clone()));
             }
         }
+        drop(inner);
+        // Sends blocked on a peer stop too.
+        self.aborts.notify_waiters();
+        self.arrivals.notify_waiters();
     }
 
     /// Number of filed frames and waiters (for tests and leak checks).
