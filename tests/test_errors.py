@@ -154,3 +154,9 @@ def test_closed_group_refuses_operations() -> None:
 def test_abort_cancels_an_operation_in_flight() -> None:
     elapsed, _ = ok(run("aborted", 2, timeout=60))
     assert elapsed < 1.0
+
+
+def test_a_late_rank_zero_is_reached_through_backoff() -> None:
+    times = ok(run("late_master", 3, 2.0, timeout=60))
+    # Attempts time out after 2 s and back off 0.5-1 s, doubling: well within 10 s.
+    assert all(2.0 <= t < 10.0 for t in times), times

@@ -250,3 +250,15 @@ def aborted(rank: int, world: int) -> float:
     except mcp.GroupClosedError:
         return time.monotonic() - t0
     raise AssertionError("the aborted operation did not fail")
+
+
+def late_master(rank: int, world: int, delay: float) -> float:
+    """Rank 0 starts `delay` seconds late: the others reach it through backoff."""
+    t0 = time.monotonic()
+    if rank == 0:
+        time.sleep(delay)
+    with mcp.init(timeout=60) as g:
+        a = np.ones(10, "float32")
+        g.all_reduce(a)
+        assert a[0] == world
+    return time.monotonic() - t0
