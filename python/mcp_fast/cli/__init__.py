@@ -29,3 +29,16 @@ def parse_size(text: str) -> int:
     if m is None or unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 256kb, 4MiB, 1GiB)")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def positive_size(text: str) -> int:
+    """argparse type: a size (see :func:`parse_size`) of at least one byte."""
+    import argparse
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return n

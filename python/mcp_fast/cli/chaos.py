@@ -41,7 +41,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from . import parse_size
+from . import positive_size
 
 __all__ = ["ChaosError", "main"]
 
@@ -72,13 +72,7 @@ def _tc_rate(text: str) -> str:
 
 
 def _tc_size(text: str) -> str:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return str(n)  # bytes, which tc reads unambiguously
+    return str(positive_size(text))  # bytes, which tc reads unambiguously
 
 
 def _tc_time(text: str) -> str:

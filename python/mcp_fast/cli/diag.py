@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MCPError
-from . import parse_size
+from . import positive_size
 
 __all__ = ["disk_latency", "main", "network_probe"]
 
@@ -241,14 +241,7 @@ def _seconds(text: str) -> float:
     return t
 
 
-def _size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return n
+_size = positive_size
 
 
 def _count(text: str) -> int:

@@ -193,6 +193,17 @@ impl<T: Transport> Group<T> {
         Ok(())
     }
 
+    /// A rank of the group other than this one (point-to-point partners).
+    fn check_peer(&self, peer: usize, what: &str) -> Result<()> {
+        self.check_rank(peer, what)?;
+        if peer == self.rank() {
+            return Err(Error::InvalidArgument(format!(
+                "{what} is this rank ({peer}): point-to-point to self is not supported; copy the tensor instead"
+            )));
+        }
+        Ok(())
+    }
+
     fn check_rank(&self, peer: usize, what: &str) -> Result<()> {
         if peer >= self.world_size() {
             return Err(Error::InvalidArgument(format!(
@@ -425,12 +436,7 @@ impl<T: Transport> Group<T> {
     pub fn send(&self, t: Tensor<'_>, dst: usize, tag: u32) -> Result<OpFuture> {
         self.open()?;
         t.check("send")?;
-        self.check_rank(dst, "send destination")?;
-        if dst == self.rank() {
-            return Err(Error::InvalidArgument(
-                "send to self is not supported; copy the tensor instead".into(),
-            ));
-        }
+        self.check_peer(dst, "send destination")?;
         let (buf, elem) = (t.buf, t.dtype.size());
         let seq = p2p_seq(
             self.rank(),
@@ -454,12 +460,7 @@ impl<T: Transport> Group<T> {
     pub fn recv(&self, t: Tensor<'_>, src: usize, tag: u32) -> Result<OpFuture> {
         self.open()?;
         t.check("recv")?;
-        self.check_rank(src, "recv source")?;
-        if src == self.rank() {
-            return Err(Error::InvalidArgument(
-                "recv from self is not supported".into(),
-            ));
-        }
+        self.check_peer(src, "recv source")?;
         let (buf, elem) = (t.buf, t.dtype.size());
         let seq = p2p_seq(src, self.inner.recv_seq[src].fetch_add(1, Ordering::AcqRel));
         Ok(
