@@ -149,3 +149,54 @@ def test_bind_address_rules(monkeypatch: pytest.MonkeyPatch) -> None:
         backend._bind_ip()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a single node: loopback is right
     assert backend._bind_ip() == "127.0.1.1"
+
+
+class _SlowFuture:
+    """A torch Future whose completion takes a while, to widen the window in which a
+    ``wait()`` that returned early would find the future still pending."""
+
+    def __init__(self) -> None:
+        self.inner: torch.futures.Future = torch.futures.Future()
+
+    def set_result(self, value: object) -> None:
+        import time
+
+        time.sleep(0.2)
+        self.inner.set_result(value)
+
+    def set_exception(self, error: BaseException) -> None:
+        import time
+
+        time.sleep(0.2)
+        self.inner.set_exception(error)
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("peer lost")])
+def test_future_is_complete_once_wait_returns(error: BaseException | None) -> None:
+    import threading
+
+    from mcp_fast.torch.backend import MCPWork
+
+    out = [torch.ones(2)]
+    work = MCPWork(out)
+    slow = _SlowFuture()
+    work._future = slow  # type: ignore[assignment]
+    threading.Thread(target=work._finish, args=(error,)).start()
+    if error is None:
+        assert work.wait() is True
+        assert slow.inner.done()
+        torch.testing.assert_close(slow.inner.value()[0], torch.ones(2))
+    else:
+        with pytest.raises(RuntimeError, match="peer lost"):
+            work.wait()
+        assert slow.inner.done()
+
+
+def test_wait_inside_the_works_own_callback_does_not_block() -> None:
+    from mcp_fast.torch.backend import MCPWork
+
+    work = MCPWork([torch.zeros(1)])
+    seen: list[bool] = []
+    work.get_future().then(lambda _f: seen.append(work.wait()))
+    work._finish(None)
+    assert seen == [True]

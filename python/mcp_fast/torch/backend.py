@@ -47,20 +47,28 @@ class MCPWork(dist._Work):
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
         self._source: Callable[[], int | None] | None = None
+        self._finisher: int | None = None
 
     def _finish(self, error: BaseException | None) -> None:
+        # The future is completed before `wait()` may return, so that a caller who saw
+        # `wait()` return always finds `get_future()` done. Its callbacks run here, on the
+        # completion thread; one that waits on this very work must not block on itself.
         self._error = error
-        self._done.set()
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
+        self._finisher = threading.get_ident()
+        try:
+            if error is None:
+                self._future.set_result(self._result)
+            else:
+                self._future.set_exception(error)
+        finally:
+            self._done.set()
 
     def wait(self, timeout: Any = None) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         if seconds is not None and seconds <= 0:
             seconds = None
-        if not self._done.wait(seconds):
+        in_own_callback = self._finisher == threading.get_ident()
+        if not in_own_callback and not self._done.wait(seconds):
             from ..errors import MCPTimeoutError
 
             raise MCPTimeoutError(f"operation still running after {seconds} s")
