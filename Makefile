@@ -5,6 +5,7 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
+BENCH_STAMP := $(VENV)/.bench-deps-installed
 BUILT   := $(VENV)/.mcp-built
 PYDIRS  := python tests benches examples
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
@@ -24,6 +25,10 @@ $(BUILT): $(STAMP) $(RUST_SRC)
 	touch $@
 
 build-dev: $(BUILT)
+
+$(BENCH_STAMP): requirements/bench.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements/bench.txt -c requirements/constraints.txt
+	touch $@
 
 TRAIN := env OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --backend mcp
 
@@ -61,9 +66,11 @@ py-test: $(BUILT)
 
 test: lint rust-test py-test
 
-bench: $(BUILT)
+bench: $(BUILT) $(BENCH_STAMP)
 	$(PY) -m pytest benches --benchmark-enable --benchmark-columns=min,median,mean,ops
 	$(PY) benches/compare_gloo.py
+	$(PY) benches/delta_vs_zipnn.py
+	$(PY) benches/bench_failure_detection.py --runs 20
 
 clean:
 	rm -rf target $(VENV) dist .pytest_cache .ruff_cache
