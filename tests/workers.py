@@ -140,13 +140,21 @@ def generated_secret(rank: int, world: int) -> float:
 
 
 def killed_peer(rank: int, world: int, victim: int, how: str = "kill") -> None:
+    """The victim kills (or freezes) itself right after an all-reduce; a survivor's error
+    carries ``detected_after``: seconds from the end of that all-reduce to the error, an
+    upper bound of the detection time."""
     g = mcp.init(timeout=60, heartbeat=0.5)
     a = np.ones(1 << 16, "float32")
     g.all_reduce(a)  # everyone connected and working
+    done = time.monotonic()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-    for _ in range(1000):
-        g.all_reduce(a)
+    try:
+        for _ in range(1000):
+            g.all_reduce(a)
+    except mcp.PeerLostError as e:
+        e.detected_after = time.monotonic() - done  # type: ignore[attr-defined]
+        raise
     g.close()
 
 

@@ -519,8 +519,8 @@ def init(
     every operation (default ``MCP_TIMEOUT`` or 300 s); ``connect_timeout`` bounds the
     rendezvous (default: ``timeout``). ``chaos`` (default ``MCP_CHAOS``) injects faults:
     ``Chaos(loss=0.2, seed=1)`` or ``"loss=0.2,delay=5ms,rate=1gbit,seed=1"``.
-    ``heartbeat`` (seconds): a peer silent for 3 heartbeats plus max(1 s, 1.3 x mean RTT) is
-    declared lost (``PeerLostError``).
+    ``heartbeat`` (seconds): a peer silent for 2 heartbeats plus max(min(1 s, heartbeat / 4),
+    1.3 x mean RTT) is declared lost (``PeerLostError``), within 3 heartbeats of its death.
     """
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")

@@ -53,7 +53,8 @@ pub struct LatencyConfig {
 
 impl Default for LatencyConfig {
     /// Window 512, α = 1/8, heartbeat 1.3 × mean (floor 1 s), read/write 2.5 × p99 (floor
-    /// 2 s), 3 misses allowed, 30 s before the first sample.
+    /// 2 s), 2 misses allowed (a peer is lost when the reply to its third heartbeat is late,
+    /// within 3 intervals), 30 s before the first sample.
     fn default() -> Self {
         LatencyConfig {
             window: 512,
@@ -62,7 +63,7 @@ impl Default for LatencyConfig {
             heartbeat_floor: Duration::from_secs(1),
             io_factor: 2.5,
             io_floor: Duration::from_secs(2),
-            misses_allowed: 3,
+            misses_allowed: 2,
             cold_timeout: Duration::from_secs(30),
         }
     }
@@ -236,7 +237,7 @@ mod tests {
         assert_eq!(t.io_timeout(), Duration::from_secs(30));
         assert_eq!(
             t.silence_limit(Duration::from_secs(5)),
-            Duration::from_secs(45)
+            Duration::from_secs(40)
         );
     }
 
@@ -303,7 +304,7 @@ mod tests {
         let io = t.io_timeout().as_secs_f64();
         assert!((io - 2.5 * p99).abs() < 1e-9, "{io} vs 2.5 × {p99}");
         let limit = t.silence_limit(Duration::from_secs(5)).as_secs_f64();
-        assert!((limit - (15.0 + 0.26)).abs() < 1e-6, "{limit}");
+        assert!((limit - (10.0 + 0.26)).abs() < 1e-6, "{limit}");
     }
 
     #[test]

@@ -4,9 +4,11 @@
 //! QUIC stack answers with an ACK from its own threads: a compute stall or a held GIL on the
 //! peer does not silence it, a killed, frozen (SIGSTOP) or cut-off peer does. A monitor task
 //! per connection watches the received-datagram counter and the RTT; a peer silent for
-//! longer than `misses × interval + max(floor, 1.3 × mean RTT)` (see
+//! longer than `2 × interval + max(min(1 s, interval / 4), 1.3 × mean RTT)` (see
 //! [`crate::health::LatencyTracker::silence_limit`]) is declared lost: every wait on it fails
-//! with `PeerLost` at once, on this rank; the collectives then abort on the others.
+//! with `PeerLost` at once, on this rank; the collectives then abort on the others. Checked
+//! every `interval / 4`, so a dead peer is found within 3 intervals of its last packet
+//! (while the mean RTT stays below about a third of the interval).
 
 use super::{close_code, QuicTransport};
 use crate::error::Error;
@@ -40,10 +42,16 @@ pub(super) async fn monitor(
     conn: Connection,
     interval: Duration,
 ) {
-    let mut tracker = LatencyTracker::new(LatencyConfig::default());
+    // A short interval asks for fast detection: the 1 s floor of the reply timeout would
+    // otherwise dominate it.
+    let cfg = LatencyConfig {
+        heartbeat_floor: (interval / 4).min(Duration::from_secs(1)),
+        ..LatencyConfig::default()
+    };
+    let mut tracker = LatencyTracker::new(cfg);
     let mut last_rx = conn.stats().udp_rx.datagrams;
     let mut last_seen = Instant::now();
-    let tick = (interval / 2).max(Duration::from_millis(20));
+    let tick = (interval / 4).max(Duration::from_millis(20));
     loop {
         tokio::time::sleep(tick).await;
         if conn.close_reason().is_some() {
@@ -67,11 +75,12 @@ pub(super) async fn monitor(
                 rank: peer,
                 op: "any operation".into(),
                 reason: format!(
-                    "no packets for {:.1} s (heartbeat every {:.2} s; limit {:.2} s = {} missed + max(1 s, 1.3 x mean RTT))",
+                    "no packets for {:.2} s (heartbeat every {:.2} s; limit {:.2} s = {} missed + max({:.2} s, 1.3 x mean RTT))",
                     silent.as_secs_f64(),
                     interval.as_secs_f64(),
                     limit.as_secs_f64(),
                     tracker.config().misses_allowed,
+                    tracker.config().heartbeat_floor.as_secs_f64(),
                 ),
             };
             t.mailbox.fail_peer(peer, err);
