@@ -112,6 +112,14 @@ def test_different_collectives_are_an_error_on_every_rank() -> None:
         assert isinstance(f, Failure) and "SpecMismatchError" in f.message, f
 
 
+def test_wrong_secret_is_an_authentication_error() -> None:
+    ours, intruder = run("torch_workers.wrong_secret", 2, timeout=90)
+    assert isinstance(intruder, Failure) and intruder.type == "AuthenticationError", intruder
+    assert "AuthenticationError" in intruder.mro and "MCPError" in intruder.mro
+    # Nothing of the intruder was accepted: rank 0 is still waiting for a rank 1 at its deadline.
+    assert isinstance(ours, Failure) and ours.type == "MCPTimeoutError", ours
+
+
 def test_int8_with_error_feedback_converges_like_uncompressed() -> None:
     pytest.importorskip("sklearn")
     plain = ok(run("torch_workers.digits_loss", 2, None, timeout=180))

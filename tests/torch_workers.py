@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -214,6 +215,13 @@ def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) ->
 def shape_mismatch(rank: int, world: int) -> None:
     _init(timeout=20)
     dist.all_reduce(torch.zeros(10 + rank))
+
+
+def wrong_secret(rank: int, world: int) -> None:
+    """Rank 1 holds another job secret than rank 0: it must be refused at the handshake."""
+    os.environ["MCP_SECRET"] = "the job's secret" if rank == 0 else "a guess"
+    _init(timeout=5)
+    dist.all_reduce(torch.ones(4))
 
 
 def wrong_collective(rank: int, world: int) -> None:
