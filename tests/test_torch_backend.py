@@ -208,3 +208,65 @@ def test_wait_inside_the_works_own_callback_does_not_block() -> None:
     work.get_future().then(lambda _f: seen.append(work.wait()))
     work._finish(None)
     assert seen == [True]
+
+
+_TORCHRUN_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# No "import mcp_fast": torch's entry point registered backend "mcp" when torch started.
+dist.init_process_group("mcp")
+rank = dist.get_rank()
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+model = nn.parallel.DistributedDataParallel(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(rank)
+for _ in range(5):
+    x = torch.randn(32, 8, generator=g)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+torch.save({"backend": dist.get_backend(), "world": dist.get_world_size(), "params": flat},
+           f"{sys.argv[1]}/rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torchrun_without_importing_mcp_fast(world: int, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _launch import free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            f"--nproc-per-node={world}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            str(script),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert all(r["backend"] == "mcp" and r["world"] == world for r in results)
+    for r in results[1:]:
+        torch.testing.assert_close(r["params"], results[0]["params"], rtol=0, atol=0)
