@@ -283,7 +283,16 @@ impl PsClient {
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(
                 left,
-                self.exchange(&conn, slot, &reg, Codec::None, 0, Bytes::new(), Sink::None),
+                self.exchange(
+                    &conn,
+                    slot,
+                    self.next_id.fetch_add(1, Ordering::Relaxed),
+                    &reg,
+                    Codec::None,
+                    0,
+                    Bytes::new(),
+                    Sink::None,
+                ),
             )
             .await
             {
@@ -339,6 +348,7 @@ impl PsClient {
         &self,
         conn: &Connection,
         slot: usize,
+        id: u64,
         req: &Request,
         codec: Codec,
         numel: u64,
@@ -351,7 +361,6 @@ impl PsClient {
         let (mut send, mut recv) = conn.open_bi().await.map_err(conn_err)?;
         let mut meta = Vec::new();
         req.encode_meta(&mut meta)?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         net::write_msg(
             &mut send,
             FrameKind::PsRequest,
@@ -405,17 +414,21 @@ impl PsClient {
         deadline: Instant,
     ) -> Result<Reply> {
         let mut backoff = Backoff::default();
+        // One id for every attempt: a server that took the first one ignores a retry.
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut forgotten = 0;
         loop {
             let conn = self.connection(slot, deadline).await?;
             let r = self
-                .exchange(&conn, slot, &req, codec, numel, data.clone(), sink())
+                .exchange(&conn, slot, id, &req, codec, numel, data.clone(), sink())
                 .await;
             let retry = match r {
                 Ok(Reply::Error {
                     code: ErrorCode::NotLive,
                     ..
-                }) => {
+                }) if forgotten < 5 => {
                     // The server forgot us (restored, or dropped us as dead): register again.
+                    forgotten += 1;
                     conn.close(VarInt::from_u32(0), b"re-register");
                     self.retries.fetch_add(1, Ordering::Relaxed);
                     continue;
@@ -569,6 +582,65 @@ impl PsClient {
             .unwrap_or(0))
     }
 
+    /// [`PsClient::init`] of several tensors at once.
+    pub async fn init_all(self: &Arc<Self>, items: Vec<(String, RawBuf)>) -> Result<()> {
+        self.each(
+            items,
+            |me, k, b| async move { me.init(&k, b).await.map(|_| 0) },
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// [`PsClient::push`] of several tensors at once.
+    pub async fn push_all(
+        self: &Arc<Self>,
+        items: Vec<(String, RawBuf)>,
+        codec: Codec,
+    ) -> Result<()> {
+        self.each(items, move |me, k, b| async move {
+            me.push(&k, b, codec).await.map(|_| 0)
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// [`PsClient::pull`] of several tensors at once; the oldest applied clock among them.
+    pub async fn pull_all(self: &Arc<Self>, items: Vec<(String, RawBuf)>) -> Result<u64> {
+        let v = self
+            .each(items, |me, k, b| async move { me.pull(&k, b).await })
+            .await?;
+        Ok(v.into_iter().min().unwrap_or(0))
+    }
+
+    async fn each<F, Fut>(self: &Arc<Self>, items: Vec<(String, RawBuf)>, f: F) -> Result<Vec<u64>>
+    where
+        F: Fn(Arc<PsClient>, String, RawBuf) -> Fut,
+        Fut: std::future::Future<Output = Result<u64>> + Send + 'static,
+    {
+        let tasks: Vec<_> = items
+            .into_iter()
+            .map(|(k, b)| tokio::spawn(f(self.clone(), k, b)))
+            .collect();
+        let mut out = Vec::with_capacity(tasks.len());
+        let mut err = None;
+        for t in tasks {
+            match t.await {
+                Ok(Ok(v)) => out.push(v),
+                Ok(Err(e)) => {
+                    err.get_or_insert(e);
+                }
+                Err(e) => {
+                    err.get_or_insert(Error::Io(format!("a parameter-server task failed: {e}")));
+                }
+            }
+        }
+        match err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
     /// Finishes the current clock: moves to the next and waits until every server lets us
     /// go on under the staleness bound (the server's, or `staleness` for this wait: 0 makes
     /// it a barrier after which every worker reads the same parameters).
@@ -647,6 +719,7 @@ impl PsClient {
                     self.exchange(
                         &c,
                         slot,
+                        self.next_id.fetch_add(1, Ordering::Relaxed),
                         &Request::Leave,
                         Codec::None,
                         0,

@@ -104,6 +104,16 @@ pub struct PsServer {
 impl PsServer {
     /// Binds and starts serving. Must run inside a tokio runtime.
     pub async fn start(cfg: ServerConfig) -> Result<PsServer> {
+        Self::start_with(cfg, None).await
+    }
+
+    /// As [`PsServer::start`], holding a checkpoint's pieces (see [`PsServer::restore`])
+    /// before the first request is accepted.
+    #[allow(clippy::type_complexity)]
+    pub async fn start_with(
+        cfg: ServerConfig,
+        restore: Option<(u64, Vec<(PieceId, Piece)>)>,
+    ) -> Result<PsServer> {
         if cfg.num_workers == 0 {
             return Err(Error::InvalidArgument(
                 "num_workers must be at least 1".into(),
@@ -126,8 +136,12 @@ impl PsServer {
             bytes_out: AtomicU64::new(0),
             cfg,
         });
-        tokio::spawn(accept_loop(inner.clone()));
-        Ok(PsServer { inner })
+        let server = PsServer { inner };
+        if let Some((applied, pieces)) = restore {
+            server.restore(applied, pieces)?;
+        }
+        tokio::spawn(accept_loop(server.inner.clone()));
+        Ok(server)
     }
 
     /// The address it listens on.
