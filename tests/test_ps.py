@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _launch import free_port
 
 import mcp_fast as mcp
 import ps_workers
+from _launch import free_port
 from mcp_fast import ps
 
 SECRET = "ps-test-secret"
@@ -120,9 +120,7 @@ def test_s0_is_bit_exact_against_a_single_process_reference(name: str) -> None:
     kw, ref = OPTIMIZERS[name]
     steps, workers = 8, 3
     addrs = [addr(), addr()]
-    servers = [
-        ps.Server(a, secret=SECRET, staleness=0, num_workers=workers, **kw) for a in addrs
-    ]
+    servers = [ps.Server(a, secret=SECRET, staleness=0, num_workers=workers, **kw) for a in addrs]
     p0 = ps_workers.init_params()
     p0["E"] = np.linspace(-1, 1, 3000, dtype=np.float32)
 
@@ -353,7 +351,7 @@ def test_a_killed_worker_is_dropped_the_others_go_on_and_it_rejoins() -> None:
             time.sleep(0.05)
         assert procs[2].exitcode == -signal.SIGKILL
         dropped_at = {w: c for w, c, _ in srv.clocks()}
-        assert not [live for w, _, live in srv.clocks() if w == 2][0]
+        assert not next(live for w, _, live in srv.clocks() if w == 2)
         # a fresh process rejoins as worker 2
         procs.append(_spawn(ctx, q, "w2-again", 2, [a], SECRET, 10, None, 0.0, dead_after))
         res = _collect(q, {"w0", "w1", "w2-again"}, timeout=40)

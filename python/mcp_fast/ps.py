@@ -444,7 +444,9 @@ def _server_main(kwargs: dict[str, Any], ready: Any) -> None:
         srv.close()
 
 
-def _worker_main(fn: Callable[..., Any], wid: int, kwargs: dict[str, Any], args: tuple, q: Any) -> None:
+def _worker_main(
+    fn: Callable[..., Any], wid: int, kwargs: dict[str, Any], args: tuple, q: Any
+) -> None:
     try:
         with Worker(worker_id=wid, **kwargs) as w:
             result = fn(w, *args)

@@ -45,7 +45,7 @@ impl Optimizer {
                 "momentum and betas must be in [0, 1), got momentum={momentum}, betas={betas:?}"
             )));
         }
-        if !(weight_decay.is_finite() && weight_decay >= 0.0) || !(eps.is_finite() && eps >= 0.0) {
+        if !(weight_decay.is_finite() && weight_decay >= 0.0 && eps.is_finite() && eps >= 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "weight_decay and eps must be >= 0, got {weight_decay} and {eps}"
             )));
