@@ -8,9 +8,8 @@ same size and advances its clock; the server averages the gradients of each
 clock, applies SGD with momentum once the clock is complete, and lets a worker go on only
 while it is at most ``s`` clocks ahead of the slowest. The Gloo version is that logic written
 with send/recv: a worker sends its clock and gradient, the server answers with the parameters
-once the staleness bound allows (one message each way per step; mcp_fast makes three requests:
-pull, push, advance). Configurations: s = 0 and s = 3, with and without one worker that
-computes 30 % longer.
+once the staleness bound allows; mcp_fast's ``Worker.step(grads, into=params)`` is the same
+single round trip (push, clock, pull).
 
 Two tables: push+pull throughput (no compute; bytes of gradients pushed plus parameters
 pulled by all workers, per second; mcp_fast also with int8-coded pushes), and the step time
@@ -54,14 +53,14 @@ def mcp_worker(w: ps.Worker, cfg: dict[str, Any]) -> dict[str, Any]:
     grad = {"w": _grad(n, w.worker_id)}
     w.init(params)
     w.sync()
+    w.pull(into=params)
     times = []
     t0 = time.perf_counter()
     for _ in range(cfg["steps"]):
         ts = time.perf_counter()
-        w.pull(into=params)
         _compute(w.worker_id, cfg)
-        w.push(grad, codec=cfg.get("codec", "none"))
-        w.step()
+        # push, clock and pull in one round trip, as the Gloo version does
+        w.step(grad, into=params, codec=cfg.get("codec", "none"))
         times.append(time.perf_counter() - ts)
     elapsed = time.perf_counter() - t0
     w.sync()

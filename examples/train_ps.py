@@ -5,7 +5,8 @@
 
 The model and data are those of examples/train_ddp.py (scikit-learn's 8x8 digits, a
 64-256-256-10 MLP). Each worker trains on its shard: pull the parameters into the model,
-compute the gradient of a batch, push it, step the clock; the servers apply SGD with
+compute the gradient of a batch, push it, step the clock (``w.step(grads, into=params)``
+does all three in one round trip); the servers apply SGD with
 momentum (or Adam) to the mean of each clock's gradients, and let no worker run more than
 ``--staleness`` clocks ahead of the slowest. ``--slow`` makes worker 0 that much slower
 (0.3 = 30 %). At the end every worker enters evaluation mode (a barrier) and reports the
@@ -57,17 +58,17 @@ def train(w: ps.Worker, epochs: int, batch: int, slow: float, world: int) -> dic
     for epoch in range(epochs):
         t0 = time.perf_counter()
         total = 0.0
+        w.pull(into=params)
         for i in range(steps):
             t_step = time.perf_counter()
-            w.pull(into=params)
             xb, yb = xs[i * batch : (i + 1) * batch], ys[i * batch : (i + 1) * batch]
             net.zero_grad()
             loss = nn.functional.cross_entropy(net(xb), yb)
             loss.backward()
-            w.push(ps.grads_of(net))
             if slow and w.worker_id == 0:
                 time.sleep(slow * (time.perf_counter() - t_step))
-            w.step()
+            # push the gradients, finish the clock, pull the parameters: one round trip
+            w.step(ps.grads_of(net), into=params)
             total += loss.item()
         rows.append((epoch + 1, total / steps, steps * batch / (time.perf_counter() - t0)))
     with w.evaluation() as final:
@@ -108,13 +109,13 @@ def main() -> int:
     p.add_argument("--staleness", type=int, default=3)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="adam")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--slow", type=float, default=0.0, help="worker 0 is this much slower")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--torchrun", action="store_true", help="roles from RANK/WORLD_SIZE")
     args = p.parse_args()
-    lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 1e-3)
+    lr = args.lr if args.lr is not None else (0.02 if args.optimizer == "sgd" else 1e-3)
     skw = {"optimizer": args.optimizer, "lr": lr, "momentum": 0.9, "staleness": args.staleness}
     if args.torchrun:
         world = int(os.environ["WORLD_SIZE"]) - args.servers

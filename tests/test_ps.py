@@ -114,9 +114,13 @@ def grads_for(p: dict[str, np.ndarray], wid: int, step: int) -> dict[str, np.nda
     return g
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_s0_is_bit_exact_against_a_single_process_reference(name: str) -> None:
-    """2 servers, 3 workers, s = 0; "E" (3000 elements) is split across both servers."""
+@pytest.mark.parametrize(
+    ("name", "fused"),
+    [(n, False) for n in OPTIMIZERS] + [("sgd-nesterov-wd", True), ("adam", True)],
+)
+def test_s0_is_bit_exact_against_a_single_process_reference(name: str, fused: bool) -> None:
+    """2 servers, 3 workers, s = 0; "E" (3000 elements) is split across both servers.
+    ``fused``: push, step and pull in one call (``step(grads, into)``)."""
     kw, ref = OPTIMIZERS[name]
     steps, workers = 8, 3
     addrs = [addr(), addr()]
@@ -128,11 +132,16 @@ def test_s0_is_bit_exact_against_a_single_process_reference(name: str) -> None:
         seen = []
         with ps.Worker(addrs, wid, secret=SECRET, timeout=20, split_above=1000) as w:
             w.init(p0)
+            p = w.pull()
             for t in range(steps):
-                p = w.pull()
-                seen.append((w.clock, p))
-                w.push(grads_for(p, wid, t))
-                c = w.step()
+                if not fused:
+                    p = w.pull()
+                seen.append((w.clock, {k: v.copy() for k, v in p.items()}))
+                if fused:
+                    c = w.step(grads_for(p, wid, t), into=p)
+                else:
+                    w.push(grads_for(p, wid, t))
+                    c = w.step()
                 assert c == t + 1 and w.last_min_clock == c, "s = 0 is lockstep"
         return seen
 
@@ -244,6 +253,26 @@ def test_many_threads_push_and_pull_at_once() -> None:
     assert np.array_equal(out["shared"], np.full(4 * n, -0.5 * rounds * threads, np.float32))
     assert stats["pushes"] == 2 * threads * rounds
     assert stats["duplicate_pushes"] == 0
+
+
+@pytest.mark.parametrize(("codec", "tol"), [("bf16", 2.0**-8), ("fp16", 2.0**-11)])
+def test_pushes_with_a_codec_are_decoded_within_its_bound(codec: str, tol: float) -> None:
+    a = addr()
+    srv = ps.Server(a, secret=SECRET, lr=1.0, momentum=0.0)
+    g = np.random.default_rng(3).normal(0, 1, 5000).astype(np.float32)
+    try:
+        with ps.Worker([a], 0, secret=SECRET, codec=codec) as w:
+            w.init({"x": np.zeros(5000, np.float32)})
+            before = w.stats()[0]["bytes_received"]
+            w.push({"x": g})
+            pushed = w.stats()[0]["bytes_received"] - before
+            w.step()
+            got = -w.pull()["x"]
+            assert pushed < 5000 * 4 * 0.6, f"the push travelled coded ({pushed} bytes)"
+    finally:
+        srv.close()
+    assert not np.array_equal(got, g), "a lossy codec changes the bits"
+    np.testing.assert_allclose(got, g, rtol=tol, atol=1e-7)
 
 
 def test_torch_tensors_are_pulled_in_place() -> None:

@@ -388,9 +388,28 @@ class Worker:
         self.core.pull([(k, b.ptr, b.nbytes) for k, b in zip(into, bufs, strict=True)])
         return dict(into)
 
-    def step(self) -> int:
-        """Finishes this clock; returns the new clock once the staleness bound allows."""
-        clock, low = self.core.advance()
+    def step(
+        self,
+        grads: Mapping[str, Any] | None = None,
+        into: Mapping[str, Any] | None = None,
+        *,
+        codec: str | None = None,
+    ) -> int:
+        """Finishes this clock; returns the new clock once the staleness bound allows.
+
+        With ``grads`` and/or ``into``, it is ``push(grads)``, the step and ``pull(into)``
+        in one round trip per server (the fast path of a training loop)."""
+        if grads is None and into is None:
+            clock, low = self.core.advance()
+        else:
+            gb = self._check(grads or {}, "grads", writable=False)
+            ib = self._check(into or {}, "into", writable=True)
+            clock, low = self.core.step(
+                [(k, b.ptr, b.nbytes) for k, b in zip(grads or {}, gb, strict=True)],
+                [(k, b.ptr, b.nbytes) for k, b in zip(into or {}, ib, strict=True)],
+                codec=codec or self.codec,
+                block=self.block,
+            )
         self.last_min_clock = low
         return clock
 

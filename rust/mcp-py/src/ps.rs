@@ -381,6 +381,27 @@ impl PsWorker {
         Ok((r.clock, r.min))
     }
 
+    /// Pushes `grads`, finishes the clock, waits under the staleness bound, then pulls into
+    /// `into`: one round trip per server. Returns (clock, slowest live clock or None).
+    #[pyo3(signature = (grads, into, codec="none", block=256, staleness=None))]
+    fn step(
+        &self,
+        py: Python<'_>,
+        grads: Vec<(String, usize, usize)>,
+        into: Vec<(String, usize, usize)>,
+        codec: &str,
+        block: u32,
+        staleness: Option<u64>,
+    ) -> PyResult<(u64, Option<u64>)> {
+        let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
+        let (grads, into) = (bufs(grads)?, bufs(into)?);
+        let (rt, c) = (runtime(py)?, self.inner.clone());
+        let r = py
+            .detach(|| rt.block_on(c.step_all(grads, into, codec, staleness)))
+            .map_err(|e| to_py(py, e))?;
+        Ok((r.clock, r.min))
+    }
+
     /// Each server's counters.
     fn stats(&self, py: Python<'_>) -> PyResult<Vec<HashMap<String, u64>>> {
         let (rt, c) = (runtime(py)?, self.inner.clone());

@@ -77,6 +77,8 @@ pub struct PsClient {
 enum Sink {
     None,
     Into(RawBuf),
+    /// The data section, one part after another.
+    Parts(Vec<RawBuf>),
 }
 
 fn lost_server(slot: usize, op: &str, reason: String) -> Error {
@@ -390,6 +392,24 @@ impl PsClient {
                 net::read_data(&mut recv, dst).await?;
                 head.verify(dst)?;
             }
+            (Reply::Clock { .. }, Sink::Parts(parts)) => {
+                let want: u64 = parts.iter().map(|p| p.len() as u64).sum();
+                if head.data_len() != want {
+                    return Err(Error::Protocol(format!(
+                        "server sent {} bytes for {want} bytes of pieces",
+                        head.data_len()
+                    )));
+                }
+                let mut views = Vec::with_capacity(parts.len());
+                for p in &parts {
+                    // SAFETY: each part is a disjoint range of the caller's destinations,
+                    // exclusively ours for the duration of the operation (see `step_all`).
+                    let dst = unsafe { p.slice_mut(0..p.len()) };
+                    net::read_data(&mut recv, dst).await?;
+                    views.push(&*dst);
+                }
+                head.verify_parts(&views)?;
+            }
             _ => {
                 if head.data_len() != 0 {
                     return Err(Error::Protocol("unexpected data in a reply".into()));
@@ -663,6 +683,106 @@ impl PsClient {
                     0,
                     Bytes::new(),
                     || Sink::None,
+                    deadline,
+                )
+                .await
+            }));
+        }
+        let reps = join(tasks).await?;
+        let mut min: Option<u64> = None;
+        for r in &reps {
+            if let Reply::Clock { min: Some(m), .. } = r {
+                min = Some(min.map_or(*m, |x: u64| x.min(*m)));
+            }
+        }
+        Ok(ClockInfo { clock, min })
+    }
+
+    /// Push, advance and pull in one round trip per server: pushes `grads` (f32 tensors)
+    /// for the current clock, moves to the next clock, waits under the staleness bound as
+    /// [`PsClient::advance`] does, then reads the tensors `into`.
+    pub async fn step_all(
+        self: &Arc<Self>,
+        grads: Vec<(String, RawBuf)>,
+        into: Vec<(String, RawBuf)>,
+        codec: Codec,
+        staleness: Option<u64>,
+    ) -> Result<ClockInfo> {
+        let map = self.shard_map()?;
+        let n = self.slots.len();
+        let mut pushes: Vec<Vec<(String, u64, u64, u64)>> = vec![Vec::new(); n];
+        let mut data: Vec<Vec<u8>> = vec![Vec::new(); n];
+        let mut pulls: Vec<Vec<(String, u64, u64)>> = vec![Vec::new(); n];
+        let mut parts: Vec<Vec<RawBuf>> = vec![Vec::new(); n];
+        let check = |key: &str, buf: &RawBuf, what: &str| -> Result<()> {
+            let numel = map.numel(key).ok_or_else(|| {
+                Error::InvalidArgument(format!("no tensor named {key:?} registered"))
+            })?;
+            if buf.len() as u64 != numel * 4 {
+                return Err(Error::SpecMismatch(format!(
+                    "{key:?} was registered with {numel} float32 elements, got {} bytes to {what}",
+                    buf.len()
+                )));
+            }
+            Ok(())
+        };
+        for (key, buf) in &grads {
+            check(key, buf, "push")?;
+            for p in map.pieces(key)? {
+                let range = (p.offset * 4) as usize..((p.offset + p.len) * 4) as usize;
+                // SAFETY: `buf` is valid for reads during the operation (its creator's
+                // contract); we only read it here, before anything is sent.
+                let bytes = unsafe { buf.slice(range) };
+                let d = &mut data[p.server];
+                let before = d.len();
+                if codec == Codec::None {
+                    d.extend_from_slice(bytes);
+                } else {
+                    let mut enc = Vec::new();
+                    crate::codec::encode(codec, DType::F32, bytes, &mut enc)?;
+                    d.extend_from_slice(&enc);
+                }
+                let nbytes = (d.len() - before) as u64;
+                pushes[p.server].push((key.clone(), p.offset, p.len, nbytes));
+            }
+        }
+        for (key, buf) in &into {
+            check(key, buf, "pull into")?;
+            for p in map.pieces(key)? {
+                let range = (p.offset * 4) as usize..((p.offset + p.len) * 4) as usize;
+                // SAFETY: `buf` is valid for writes during the operation (its creator's
+                // contract); the pieces' ranges are disjoint and every task is awaited.
+                let part = unsafe { RawBuf::from_slice(buf.slice_mut(range)) };
+                pulls[p.server].push((key.clone(), p.offset, p.len));
+                parts[p.server].push(part);
+            }
+        }
+        let clock = self.clock.fetch_add(1, Ordering::AcqRel) + 1;
+        let deadline = self.deadline();
+        let mut tasks = Vec::new();
+        for (slot, ((push, d), (pull, part))) in pushes
+            .into_iter()
+            .zip(data)
+            .zip(pulls.into_iter().zip(parts))
+            .enumerate()
+        {
+            let me = self.clone();
+            let req = Request::Step {
+                clock,
+                staleness,
+                wait: self.cfg.timeout,
+                pushes: push,
+                pulls: pull,
+            };
+            let d = Bytes::from(d);
+            tasks.push(tokio::spawn(async move {
+                me.call(
+                    slot,
+                    req,
+                    codec,
+                    0,
+                    d,
+                    || Sink::Parts(part.clone()),
                     deadline,
                 )
                 .await

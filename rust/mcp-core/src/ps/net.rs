@@ -99,7 +99,14 @@ impl Head {
 
     /// Checks the payload CRC once `data` (the data section) has been read.
     pub fn verify(&self, data: &[u8]) -> Result<()> {
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&self.meta), data);
+        self.verify_parts(&[data])
+    }
+
+    /// Checks the payload CRC of a data section read into several parts, in order.
+    pub fn verify_parts(&self, parts: &[&[u8]]) -> Result<()> {
+        let crc = parts.iter().fold(crc32c::crc32c(&self.meta), |c, p| {
+            crc32c::crc32c_append(c, p)
+        });
         if crc != self.header.payload_crc {
             return Err(Error::Protocol(format!(
                 "parameter-server message {} from {} failed its checksum (corrupted in transit or in memory)",
@@ -255,6 +262,27 @@ pub(crate) async fn read_f32(recv: &mut RecvStream, head: &Head) -> Result<Vec<f
             bytemuck::cast_slice_mut(&mut out),
         )
         .map_err(|e| Error::Protocol(format!("undecodable gradient: {e}")))?;
+    }
+    Ok(out)
+}
+
+/// Decodes `numel` f32 values coded with `codec` from `enc`.
+pub(crate) fn decode_f32(codec: Codec, enc: &[u8], numel: u64) -> Result<Vec<f32>> {
+    if numel > MAX_DATA / 4 {
+        return Err(Error::Protocol(format!("{numel} elements announced")));
+    }
+    let mut out = vec![0f32; numel as usize];
+    if codec == Codec::None {
+        if enc.len() as u64 != numel * 4 {
+            return Err(Error::Protocol(format!(
+                "{} bytes of data for {numel} float32 elements",
+                enc.len()
+            )));
+        }
+        bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(enc);
+    } else {
+        crate::codec::decode(codec, DType::F32, enc, bytemuck::cast_slice_mut(&mut out))
+            .map_err(|e| Error::Protocol(format!("undecodable gradient: {e}")))?;
     }
     Ok(out)
 }

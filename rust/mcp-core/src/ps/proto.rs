@@ -13,6 +13,9 @@
 //! Push      clock key offset + data    -> Ok          (data coded with the frame's codec)
 //! Pull      key offset len             -> Data applied + f32 data
 //! Advance   clock staleness wait_ms    -> Clock       (waits until the SSP bound holds)
+//! Step      clock staleness wait_ms n_push (key offset numel bytes)* n_pull (key offset len)*
+//!           + the pushes' data         -> Clock + the pulled pieces' f32 data, in order
+//!                                         (push, advance and pull in one round trip)
 //! Leave                                -> Ok
 //! Stats                                -> Stats
 //! any                                  -> Error code message
@@ -69,6 +72,20 @@ pub enum Request {
         /// How long the server may hold the request before answering `Timeout`.
         wait: Duration,
     },
+    /// Push, advance and pull in one round trip: the data section holds the pushes' data
+    /// one after another; the reply's holds the pulled pieces' parameters in order.
+    Step {
+        /// The worker's new clock (the pushes are for `clock - 1`).
+        clock: u64,
+        /// Staleness bound for this wait, else the server's.
+        staleness: Option<u64>,
+        /// How long the server may hold the request.
+        wait: Duration,
+        /// (key, offset, elements, encoded bytes) of each push.
+        pushes: Vec<(String, u64, u64, u64)>,
+        /// (key, offset, elements) of each piece to pull once the wait is over.
+        pulls: Vec<(String, u64, u64)>,
+    },
     /// The worker leaves: drop it from the minimum now.
     Leave,
     /// The server's counters.
@@ -84,6 +101,7 @@ mod op {
     pub const ADVANCE: u32 = 5;
     pub const LEAVE: u32 = 6;
     pub const STATS: u32 = 7;
+    pub const STEP: u32 = 8;
     pub const R_OK: u32 = 64;
     pub const R_CLOCK: u32 = 65;
     pub const R_DATA: u32 = 66;
@@ -259,6 +277,7 @@ impl Request {
             Request::Push { .. } => op::PUSH,
             Request::Pull { .. } => op::PULL,
             Request::Advance { .. } => op::ADVANCE,
+            Request::Step { .. } => op::STEP,
             Request::Leave => op::LEAVE,
             Request::Stats => op::STATS,
         }
@@ -272,6 +291,7 @@ impl Request {
             Request::Push { .. } => "push",
             Request::Pull { .. } => "pull",
             Request::Advance { .. } => "advance",
+            Request::Step { .. } => "step",
             Request::Leave => "leave",
             Request::Stats => "stats",
         }
@@ -304,6 +324,37 @@ impl Request {
                 put_u64(out, staleness.unwrap_or(u64::MAX));
                 put_u64(out, wait.as_millis().min(u64::MAX as u128) as u64);
             }
+            Request::Step {
+                clock,
+                staleness,
+                wait,
+                pushes,
+                pulls,
+            } => {
+                put_u64(out, *clock);
+                put_u64(out, staleness.unwrap_or(u64::MAX));
+                put_u64(out, wait.as_millis().min(u64::MAX as u128) as u64);
+                put_u64(out, pushes.len() as u64);
+                for (k, off, n, b) in pushes {
+                    put_key(out, k)?;
+                    put_u64(out, *off);
+                    put_u64(out, *n);
+                    put_u64(out, *b);
+                }
+                put_u64(out, pulls.len() as u64);
+                for (k, off, n) in pulls {
+                    put_key(out, k)?;
+                    put_u64(out, *off);
+                    put_u64(out, *n);
+                }
+                if out.len() > MAX_META {
+                    return Err(Error::InvalidArgument(format!(
+                        "a step request of {} pieces needs {} bytes of metadata, more than {MAX_META}",
+                        pushes.len() + pulls.len(),
+                        out.len()
+                    )));
+                }
+            }
             Request::Leave | Request::Stats => {}
         }
         Ok(())
@@ -333,6 +384,35 @@ impl Request {
                 staleness: Some(r.u64()?).filter(|&s| s != u64::MAX),
                 wait: Duration::from_millis(r.u64()?),
             },
+            op::STEP => {
+                let clock = r.u64()?;
+                let staleness = Some(r.u64()?).filter(|&s| s != u64::MAX);
+                let wait = Duration::from_millis(r.u64()?);
+                let n = r.u64()?;
+                // every entry takes at least 26 bytes: bound the count by what is there
+                if n > (meta.len() / 26) as u64 {
+                    return Err(Error::Protocol(format!("step announces {n} pushes")));
+                }
+                let mut pushes = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    pushes.push((r.string()?, r.u64()?, r.u64()?, r.u64()?));
+                }
+                let n = r.u64()?;
+                if n > (meta.len() / 18) as u64 {
+                    return Err(Error::Protocol(format!("step announces {n} pulls")));
+                }
+                let mut pulls = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    pulls.push((r.string()?, r.u64()?, r.u64()?));
+                }
+                Request::Step {
+                    clock,
+                    staleness,
+                    wait,
+                    pushes,
+                    pulls,
+                }
+            }
             op::LEAVE => Request::Leave,
             op::STATS => Request::Stats,
             other => {
@@ -464,6 +544,13 @@ mod tests {
                 clock: 9,
                 staleness: None,
                 wait: Duration::from_millis(1),
+            },
+            Request::Step {
+                clock: 4,
+                staleness: None,
+                wait: Duration::from_millis(9),
+                pushes: vec![("a".into(), 0, 10, 40), ("b".into(), 16, 3, 12)],
+                pulls: vec![("a".into(), 0, 10)],
             },
             Request::Leave,
             Request::Stats,

@@ -380,7 +380,10 @@ async fn answer(
     inner
         .bytes_in
         .fetch_add(head.header.payload_len, Ordering::Relaxed);
-    let needs_data = matches!(req, Request::Init { .. } | Request::Push { .. });
+    let needs_data = matches!(
+        req,
+        Request::Init { .. } | Request::Push { .. } | Request::Step { .. }
+    );
     if !needs_data {
         if head.data_len() != 0 {
             return Err(Error::Protocol(format!("{} carries data", req.name())));
@@ -457,7 +460,7 @@ async fn answer(
             if !s.clocks().is_live(w) {
                 return Ok((not_live(w), Bytes::new()));
             }
-            s.push(w, head.header.seq, clock, &key, offset, grad)?;
+            s.push(w, head.header.seq << 16, clock, &key, offset, grad)?;
             Ok((Reply::Ok, Bytes::new()))
         }
         Request::Pull { key, offset, len } => {
@@ -482,48 +485,75 @@ async fn answer(
             clock,
             staleness,
             wait,
+        } => Ok((
+            advance_and_wait(inner, w, clock, staleness, wait).await?,
+            Bytes::new(),
+        )),
+        Request::Step {
+            clock,
+            staleness,
+            wait,
+            pushes,
+            pulls,
         } => {
-            if !inner.store().advance(w, clock)? {
-                return Ok((not_live(w), Bytes::new()));
+            if pushes.len() >= 1 << 16 {
+                return Err(Error::InvalidArgument(
+                    "at most 65535 pushes per step".into(),
+                ));
             }
-            inner.bump();
-            let deadline = Instant::now() + wait;
-            let mut rx = inner.changed.subscribe();
-            loop {
-                rx.borrow_and_update();
-                {
-                    let mut s = inner.store();
-                    if !s.clocks().is_live(w) {
-                        return Ok((not_live(w), Bytes::new()));
-                    }
-                    if s.may_proceed(clock, staleness) {
-                        return Ok((
-                            Reply::Clock {
-                                clock: s.clocks().clock_of(w).unwrap_or(clock),
-                                min: s.clocks().min_live(),
-                                applied: s.applied_through(),
-                            },
-                            Bytes::new(),
-                        ));
-                    }
-                }
-                if inner.closing.load(Ordering::Acquire) {
-                    return Err(Error::Closed("the parameter server is closing".into()));
-                }
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    let s = inner.store();
-                    return Err(Error::Timeout {
-                        what: format!(
-                            "worker {w} at clock {clock} waited for the slowest live worker (clock {:?}, staleness {})",
-                            s.clocks().min_live(),
-                            staleness.unwrap_or(s.staleness())
-                        ),
-                        after: wait,
-                    });
-                }
-                let _ = tokio::time::timeout(left, rx.changed()).await;
+            let total: u64 = pushes.iter().map(|p| p.3).sum();
+            if total != head.data_len() {
+                return Err(Error::Protocol(format!(
+                    "step announces {total} bytes of pushes and carries {}",
+                    head.data_len()
+                )));
             }
+            let mut data = vec![0u8; total as usize];
+            net::read_data(recv, &mut data).await?;
+            head.verify(&data)?;
+            let codec = head.header.spec.codec;
+            let mut grads = Vec::with_capacity(pushes.len());
+            let mut at = 0usize;
+            for (key, offset, numel, nbytes) in pushes {
+                let enc = &data[at..at + nbytes as usize];
+                at += nbytes as usize;
+                let g = net::decode_f32(codec, enc, numel)?;
+                if g.iter().any(|x| !x.is_finite()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "the gradient pushed for {key:?}[{offset}..] holds NaN or Inf; refused"
+                    )));
+                }
+                grads.push((key, offset, g));
+            }
+            {
+                let mut s = inner.store();
+                if !s.clocks().is_live(w) {
+                    return Ok((not_live(w), Bytes::new()));
+                }
+                let base = head.header.seq << 16;
+                for (i, (key, offset, g)) in grads.into_iter().enumerate() {
+                    s.push(w, base | i as u64, clock.saturating_sub(1), &key, offset, g)?;
+                }
+            }
+            let rep = advance_and_wait(inner, w, clock, staleness, wait).await?;
+            if !matches!(rep, Reply::Clock { .. }) {
+                return Ok((rep, Bytes::new()));
+            }
+            let mut out = Vec::with_capacity(pulls.iter().map(|p| p.2 as usize * 4).sum());
+            {
+                let mut s = inner.store();
+                for (key, offset, len) in &pulls {
+                    let p = s.pull(key, *offset)?;
+                    if p.len() as u64 != *len {
+                        return Err(Error::SpecMismatch(format!(
+                            "pull of {len} elements of {key:?}[{offset}..], which holds {}",
+                            p.len()
+                        )));
+                    }
+                    out.extend_from_slice(bytemuck::cast_slice::<f32, u8>(p));
+                }
+            }
+            Ok((rep, Bytes::from(out)))
         }
         Request::Leave => {
             inner
@@ -536,5 +566,54 @@ async fn answer(
             Ok((Reply::Ok, Bytes::new()))
         }
         Request::Stats => Ok((Reply::Stats(stats(inner)), Bytes::new())),
+    }
+}
+
+/// Moves worker `w` to `clock` and waits until the SSP condition lets it go on (or `wait`
+/// passes: `Timeout`); the reply is `Clock`, or `NotLive` when the worker is not live here.
+async fn advance_and_wait(
+    inner: &Arc<Inner>,
+    w: u32,
+    clock: u64,
+    staleness: Option<u64>,
+    wait: Duration,
+) -> Result<Reply> {
+    if !inner.store().advance(w, clock)? {
+        return Ok(not_live(w));
+    }
+    inner.bump();
+    let deadline = Instant::now() + wait;
+    let mut rx = inner.changed.subscribe();
+    loop {
+        rx.borrow_and_update();
+        {
+            let mut s = inner.store();
+            if !s.clocks().is_live(w) {
+                return Ok(not_live(w));
+            }
+            if s.may_proceed(clock, staleness) {
+                return Ok(Reply::Clock {
+                    clock: s.clocks().clock_of(w).unwrap_or(clock),
+                    min: s.clocks().min_live(),
+                    applied: s.applied_through(),
+                });
+            }
+        }
+        if inner.closing.load(Ordering::Acquire) {
+            return Err(Error::Closed("the parameter server is closing".into()));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let s = inner.store();
+            return Err(Error::Timeout {
+                what: format!(
+                    "worker {w} at clock {clock} waited for the slowest live worker (clock {:?}, staleness {})",
+                    s.clocks().min_live(),
+                    staleness.unwrap_or(s.staleness())
+                ),
+                after: wait,
+            });
+        }
+        let _ = tokio::time::timeout(left, rx.changed()).await;
     }
 }
