@@ -14,7 +14,8 @@ single round trip (push, clock, pull).
 Two tables: push+pull throughput (no compute; bytes of gradients pushed plus parameters
 pulled by all workers, per second; mcp_fast also with int8-coded pushes), and the step time
 of the fast workers when every step computes ``--compute-ms`` and worker 0 takes 30 % longer,
-for s = 0 and s = 3 (and without the slow worker, for reference).
+for s = 0 and s = 3 (and without the slow worker, for reference), and of all workers when
+each of them, at each step, takes 30 % longer with probability 1/3 (random stragglers).
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ from mcp_fast import ps
 WORKERS = 3
 
 
-def _compute(wid: int, cfg: dict[str, Any]) -> None:
-    slow = cfg["slow"] if wid == 0 else 0.0
+def _compute(wid: int, step: int, cfg: dict[str, Any]) -> None:
+    if cfg.get("jitter"):
+        # every worker, every step, is 30 % slower with probability 1/3 (seeded)
+        slow = 0.3 if np.random.default_rng(wid * 100_003 + step).random() < 1 / 3 else 0.0
+    else:
+        slow = cfg["slow"] if wid == 0 else 0.0
     time.sleep(cfg["compute_ms"] * (1.0 + slow) / 1e3)
 
 
@@ -56,9 +61,9 @@ def mcp_worker(w: ps.Worker, cfg: dict[str, Any]) -> dict[str, Any]:
     w.pull(into=params)
     times = []
     t0 = time.perf_counter()
-    for _ in range(cfg["steps"]):
+    for step in range(cfg["steps"]):
         ts = time.perf_counter()
-        _compute(w.worker_id, cfg)
+        _compute(w.worker_id, step, cfg)
         # push, clock and pull in one round trip, as the Gloo version does
         w.step(grad, into=params, codec=cfg.get("codec", "none"))
         times.append(time.perf_counter() - ts)
@@ -143,7 +148,7 @@ def _gloo_worker(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     for clock in range(cfg["steps"]):
         ts = time.perf_counter()
-        _compute(wid, cfg)
+        _compute(wid, clock, cfg)
         hdr[0], hdr[1] = clock, 0
         dist.send(hdr, dst=0)
         dist.send(grad, dst=0)
@@ -201,7 +206,7 @@ def summary(res: list[dict[str, Any]], cfg: dict[str, Any]) -> tuple[float, floa
     """(push+pull GB/s, median fast-worker step ms, run time s)."""
     bytes_moved = 2 * 4 * cfg["numel"] * cfg["steps"] * WORKERS
     run = max(r["elapsed"] for r in res)
-    fast = [t for r in res[1:] for t in r["times"]]
+    fast = [t for r in (res if cfg.get("jitter") else res[1:]) for t in r["times"]]
     return bytes_moved / run / 1e9, statistics.median(fast) * 1e3, run
 
 
@@ -247,19 +252,26 @@ def main() -> int:
     )
     print("| s | slow worker | backend | fast-worker step (median) | run | throughput GB/s |")
     print("|---|---|---|---|---|---|")
-    for st, slow in ((0, 0.3), (3, 0.3), (3, 0.0)):
+    for st, slow, jitter in (
+        (0, 0.3, False),
+        (3, 0.3, False),
+        (3, 0.0, False),
+        (0, 0.0, True),
+        (3, 0.0, True),
+    ):
         cfg = {
             "numel": int(args.step_mib * (1 << 20)) // 4,
             "steps": args.steps,
             "compute_ms": args.compute_ms,
             "slow": slow,
+            "jitter": jitter,
             "s": st,
         }
         for name, fn, codec in (backends[0], backends[2]):
             r = summary(fn({**cfg, "codec": codec}), cfg)
+            who = "random 30 % stragglers" if jitter else "30 % slower" if slow else "none"
             print(
-                f"| {st} | {'30 % slower' if slow else 'none'} | {name} | {r[1]:.1f} ms | "
-                f"{r[2]:.2f} s | {r[0]:.3f} |",
+                f"| {st} | {who} | {name} | {r[1]:.1f} ms | {r[2]:.2f} s | {r[0]:.3f} |",
                 flush=True,
             )
     return 0
