@@ -7,7 +7,7 @@ MCP (Model Control Protocol) over QUIC with mutual TLS, from a Rust core::
     g.all_reduce(array)            # in place, numpy or torch CPU
 """
 
-from . import _core, checkpoint, delta, guards
+from . import _core, checkpoint, delta, guards, ps
 from .errors import (
     AuthenticationError,
     GradientError,
@@ -30,6 +30,7 @@ __all__ = [
     "checkpoint",
     "delta",
     "guards",
+    "ps",
     "AuthenticationError",
     "Chaos",
     "GradientError",

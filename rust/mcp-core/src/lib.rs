@@ -17,6 +17,7 @@ pub mod error;
 pub mod fec;
 pub mod group;
 pub mod health;
+pub mod ps;
 pub mod reduce;
 pub mod transport;
 pub mod wire;

@@ -5,6 +5,7 @@ mod delta;
 mod errors;
 mod group;
 mod health;
+mod ps;
 mod runtime;
 mod work;
 
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::codec_round_trip, m)?)?;
     delta::register(m)?;
     health::register(m)?;
+    ps::register(m)?;
     m.add("PROTOCOL_MAJOR", mcp_core::wire::PROTOCOL_MAJOR)?;
     m.add("PROTOCOL_MINOR", mcp_core::wire::PROTOCOL_MINOR)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

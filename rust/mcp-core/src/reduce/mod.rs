@@ -97,6 +97,12 @@ fn aligned_copy<T: Pod>(bytes: &[u8]) -> Vec<T> {
     v
 }
 
+/// `dst[i] += src[i]` on f32 with the widest SIMD the CPU offers (the parameter server sums
+/// gradients with it).
+pub(crate) fn add_f32(dst: &mut [f32], src: &[f32]) {
+    native::apply(ReduceOp::Sum, dst, src)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -49,6 +49,10 @@ pub enum FrameKind {
     Abort = 9,
     /// The sender is closing its group cleanly.
     Goodbye = 10,
+    /// A request to a parameter server (`crate::ps`).
+    PsRequest = 11,
+    /// A parameter server's reply.
+    PsReply = 12,
 }
 
 impl FrameKind {
@@ -66,6 +70,8 @@ impl FrameKind {
             Send,
             Abort,
             Goodbye,
+            PsRequest,
+            PsReply,
         ]
         .into_iter()
         .find(|k| *k as u8 == code)
@@ -84,6 +90,8 @@ impl FrameKind {
             FrameKind::Send => "send/recv",
             FrameKind::Abort => "abort",
             FrameKind::Goodbye => "goodbye",
+            FrameKind::PsRequest => "ps request",
+            FrameKind::PsReply => "ps reply",
         }
     }
 }

@@ -24,7 +24,7 @@ const MAX_WINDOW: u32 = 64 << 20;
 const LOOPBACK_MTU: u16 = 65_000;
 
 /// A bound UDP socket and what the kernel granted it.
-pub(super) struct BoundSocket {
+pub(crate) struct BoundSocket {
     socket: UdpSocket,
     /// Receive buffer in bytes as the kernel reports it (it counts its own overhead).
     recv_buffer: usize,
@@ -39,7 +39,7 @@ impl BoundSocket {
     }
 }
 
-fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportConfig> {
+pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportConfig> {
     let mut t = TransportConfig::default();
     t.max_concurrent_uni_streams(VarInt::from_u32(16_384));
     t.max_concurrent_bidi_streams(VarInt::from_u32(16));
@@ -129,7 +129,7 @@ fn grow_buffers(socket: &socket2::Socket) {
 }
 
 /// Binds a UDP socket at `addr` with buffers as large as the kernel allows.
-pub(super) fn bind_socket(addr: SocketAddr, is_master: bool) -> Result<BoundSocket> {
+pub(crate) fn bind_socket(addr: SocketAddr, is_master: bool) -> Result<BoundSocket> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::DGRAM,
@@ -153,10 +153,10 @@ pub(super) fn bind_socket(addr: SocketAddr, is_master: bool) -> Result<BoundSock
     })
 }
 
-/// Makes the QUIC endpoint of a bound socket, through the fault injector when `chaos` is set.
-pub(super) fn endpoint(
+/// Makes the QUIC endpoint of a bound socket (accepting connections when `server` is set), through the fault injector when `chaos` is set.
+pub(crate) fn endpoint(
     sock: BoundSocket,
-    server: quinn::ServerConfig,
+    server: Option<quinn::ServerConfig>,
     chaos: Option<super::chaos::ChaosConfig>,
     kill: Arc<std::sync::atomic::AtomicBool>,
 ) -> Result<(Endpoint, Option<Arc<super::chaos::ChaosStats>>)> {
@@ -167,21 +167,18 @@ pub(super) fn endpoint(
     let runtime =
         quinn::default_runtime().ok_or_else(|| Error::Io("no async runtime for QUIC".into()))?;
     match chaos {
-        None => Ok((
-            Endpoint::new(ep_cfg, Some(server), sock.socket, runtime)?,
-            None,
-        )),
+        None => Ok((Endpoint::new(ep_cfg, server, sock.socket, runtime)?, None)),
         Some(cfg) => {
             let socket = super::chaos::ChaosSocket::wrap(sock.socket, cfg, kill)?;
             let stats = socket.stats();
-            let ep = Endpoint::new_with_abstract_socket(ep_cfg, Some(server), socket, runtime)?;
+            let ep = Endpoint::new_with_abstract_socket(ep_cfg, server, socket, runtime)?;
             Ok((ep, Some(stats)))
         }
     }
 }
 
 /// The local address the kernel would use to reach `target` (no packet is sent).
-pub(super) fn local_ip_towards(target: SocketAddr) -> Result<IpAddr> {
+pub(crate) fn local_ip_towards(target: SocketAddr) -> Result<IpAddr> {
     if target.ip().is_loopback() {
         return Ok(target.ip());
     }
@@ -198,7 +195,7 @@ pub(super) fn local_ip_towards(target: SocketAddr) -> Result<IpAddr> {
 }
 
 /// The ALPN protocol the handshake settled on.
-pub(super) fn negotiated_alpn(conn: &Connection) -> Option<Vec<u8>> {
+pub(crate) fn negotiated_alpn(conn: &Connection) -> Option<Vec<u8>> {
     conn.handshake_data()?
         .downcast::<HandshakeData>()
         .ok()?

@@ -3,7 +3,7 @@
 //! stream per frame, so that chunks travel side by side and never wait behind each other.
 
 pub mod chaos;
-mod endpoint;
+pub(crate) mod endpoint;
 mod heartbeat;
 mod rendezvous;
 pub mod tls;
@@ -178,7 +178,7 @@ impl QuicTransport {
         let server_cfg = endpoint::server_config(&identity, alpns, &cfg, &sock)?;
         let chaos_kill = Arc::new(AtomicBool::new(false));
         let (ep, chaos_stats) =
-            endpoint::endpoint(sock, server_cfg, cfg.chaos, chaos_kill.clone())?;
+            endpoint::endpoint(sock, Some(server_cfg), cfg.chaos, chaos_kill.clone())?;
         let corrupter = cfg.chaos.filter(|c| c.corrupt > 0.0).map(|c| {
             Mutex::new(<rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(
                 c.seed ^ cfg.rank as u64,
@@ -630,7 +630,7 @@ fn is_crypto(code: u64) -> bool {
 }
 
 /// Turns a QUIC connection error into the core error that says what it means for the job.
-fn map_conn_error(e: &ConnectionError, peer: usize, who: &str, op: &str) -> Error {
+pub(crate) fn map_conn_error(e: &ConnectionError, peer: usize, who: &str, op: &str) -> Error {
     match e {
         ConnectionError::TransportError(t) if is_crypto(u64::from(t.code)) => Error::Authentication {
             peer: who.to_string(),

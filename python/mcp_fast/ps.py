@@ -1,0 +1,637 @@
+"""A parameter server over MCP: servers hold the parameters, workers push gradients and pull
+parameters under a stale-synchronous clock.
+
+::
+
+    from mcp_fast import ps
+
+    # on each server host (or let ps.launch start them)
+    srv = ps.Server("10.0.0.1:29600", secret=s, optimizer="adam", lr=1e-3, staleness=3,
+                    num_workers=3, checkpoint_dir="ckpt/server-0")
+    srv.serve()                                  # until every worker has left
+
+    # on each worker
+    w = ps.Worker(["10.0.0.1:29600", "10.0.0.2:29600"], worker_id=rank, secret=s)
+    w.init(ps.params_of(model))                  # the first worker's values win
+    for batch in data:
+        w.pull(into=ps.params_of(model))         # in place, into the model's tensors
+        loss(model(batch)).backward()
+        w.push(ps.grads_of(model))
+        w.step()                                 # next clock; waits while > s ahead
+    w.sync()                                     # barrier: every worker now reads the same
+    w.close()
+
+Tensors are float32 numpy arrays or CPU torch tensors, read and written in place.
+Parameters are sharded by name over the servers (tensors above ``split_above`` elements are
+split across all of them). Each server applies the optimizer (SGD with momentum, Adam,
+AdamW) in the Rust core, off the GIL, once per clock to the mean of the gradients the workers
+pushed for that clock, summed in worker order: the result does not depend on the order the
+pushes arrive in, and with ``staleness=0`` it is exactly one process averaging the workers'
+gradients every step.
+
+Consistency (stale-synchronous parallel, bound ``s``): :meth:`Worker.step` moves the worker
+from clock ``c`` to ``c + 1`` and returns once the slowest live worker is at ``c + 1 - s`` or
+later. A worker at clock ``c`` therefore reads parameters that include every update of the
+clocks below ``c - s``. ``s = 0`` is fully synchronous. :meth:`Worker.sync` is a barrier
+(``s = 0`` for that one step) after which every worker reads the same parameters.
+
+Failures: a worker whose connection falls silent for ``dead_after`` seconds (killed, frozen,
+cut off) is dropped from the minimum, so the others go on; it can rejoin (a new ``Worker``
+with the same id), at the slowest live clock. A server saves its shard with the delta
+checkpointer (``checkpoint_dir``, every ``checkpoint_every`` seconds); a standby started with
+``restore=True`` on the same address (``launch`` does it) reloads the latest checkpoint, and
+the workers reconnect with backoff (0.5 s doubling to 5 s, jitter) and carry on. What is lost
+is stated in the README: every update that server applied after its last checkpoint, and the
+gradients pushed to it for clocks it had not yet applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import secrets as _secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from ._buffers import Buffer, view
+from .checkpoint import DeltaCheckpointer
+
+__all__ = [
+    "Server",
+    "Worker",
+    "grads_of",
+    "launch",
+    "params_of",
+    "run_from_env",
+]
+
+
+def _secret_bytes(secret: str | bytes | None) -> bytes:
+    if secret is None:
+        secret = os.environ.get("MCP_SECRET") or None
+    if secret is None:
+        raise ValueError(
+            "the parameter server needs the job secret: pass secret= or set MCP_SECRET "
+            "(ps.launch generates one for the processes it starts)"
+        )
+    return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+
+def _chaos(chaos: Any) -> str | None:
+    if chaos is None:
+        chaos = os.environ.get("MCP_CHAOS") or None
+    return str(chaos) if chaos is not None else None
+
+
+def _f32(x: Any, name: str, writable: bool) -> Buffer:
+    b = view(x, name=name, writable=writable)
+    if b.dtype != "float32":
+        raise TypeError(f"{name}: the parameter server holds float32 tensors, got {b.dtype}")
+    return b
+
+
+def params_of(model: Any) -> dict[str, Any]:
+    """A module's parameters by name, as tensors sharing their memory (pull writes into
+    the model in place)."""
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def grads_of(model: Any) -> dict[str, Any]:
+    """A module's gradients by name (zeros where a parameter has none)."""
+    import torch
+
+    return {
+        n: (p.grad.detach() if p.grad is not None else torch.zeros_like(p.detach()))
+        for n, p in model.named_parameters()
+    }
+
+
+class Server:
+    """One parameter server.
+
+    ``bind`` is ``"host:port"`` (UDP). The optimizer is ``"sgd"`` (``momentum``,
+    ``weight_decay``, ``nesterov``), ``"adam"`` or ``"adamw"`` (``betas``, ``eps``,
+    ``weight_decay``); ``aggregate`` is ``"mean"`` or ``"sum"`` of the gradients of a clock.
+    ``num_workers`` workers must register before any of them starts. With
+    ``checkpoint_dir``, :meth:`checkpoint` (called by :meth:`serve` every
+    ``checkpoint_every`` seconds) saves the shard there; ``restore=True`` loads the latest
+    checkpoint of that directory first.
+    """
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1:29600",
+        *,
+        secret: str | bytes | None = None,
+        optimizer: str = "sgd",
+        lr: float = 0.01,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        aggregate: str = "mean",
+        staleness: int = 3,
+        num_workers: int = 1,
+        dead_after: float = 5.0,
+        register_timeout: float = 300.0,
+        chaos: Any = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: float = 1.0,
+        full_every: int = 10,
+        restore: bool = False,
+    ) -> None:
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self._ckpt = (
+            DeltaCheckpointer(checkpoint_dir, full_every=full_every) if checkpoint_dir else None
+        )
+        self.checkpoint_every = checkpoint_every
+        self._last_saved: int | None = None
+        self._stop = threading.Event()
+        self.restored_step: int | None = None
+        held = None
+        if restore:
+            if self._ckpt is None:
+                raise ValueError("restore=True needs checkpoint_dir")
+            held = self._load()
+            if held is not None:
+                self.restored_step = self._last_saved = held[0]
+        self.core = _core.PsServer(
+            bind,
+            _secret_bytes(secret),
+            optimizer=optimizer,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            betas=betas,
+            eps=eps,
+            aggregate=aggregate,
+            staleness=staleness,
+            num_workers=num_workers,
+            dead_after=dead_after,
+            register_timeout=register_timeout,
+            chaos=_chaos(chaos),
+            restore=held,
+        )
+
+    @property
+    def address(self) -> str:
+        """``host:port`` it listens on."""
+        return self.core.local_addr
+
+    def _load(self) -> tuple[int, list[Any]] | None:
+        """The latest checkpoint as the core's restore argument, or None."""
+        assert self._ckpt is not None
+        if not self._ckpt.steps():
+            return None
+        state = self._ckpt.load()
+        pieces = []
+        for name, p in state["pieces"].items():
+            key, _, off = name.rpartition("@")
+            bufs = {k: np.ascontiguousarray(v).tobytes() for k, v in p["buffers"].items()}
+            pieces.append(
+                (
+                    key,
+                    int(off),
+                    np.ascontiguousarray(p["params"]).tobytes(),
+                    bufs,
+                    (int(p["t"]), float(p["b1_pow"]), float(p["b2_pow"])),
+                    int(p["updates"]),
+                )
+            )
+        return int(state["applied"]), pieces
+
+    def checkpoint(self) -> int | None:
+        """Saves the shard if anything was applied since the last save; returns the step
+        (the applied clock) saved, or None."""
+        if self._ckpt is None:
+            return None
+        applied, pieces = self.core.snapshot()
+        if self._last_saved is not None and applied <= self._last_saved:
+            return None
+        if not pieces:
+            return None
+        state = {
+            "applied": applied,
+            "pieces": {
+                f"{key}@{off}": {
+                    "params": np.frombuffer(params, np.float32),
+                    "buffers": {k: np.frombuffer(v, np.float32) for k, v in bufs.items()},
+                    "t": counters[0],
+                    "b1_pow": counters[1],
+                    "b2_pow": counters[2],
+                    "updates": updates,
+                }
+                for key, off, params, bufs, counters, updates in pieces
+            },
+        }
+        self._ckpt.save(state, step=applied)
+        self._last_saved = applied
+        return applied
+
+    def serve(self, until_workers_leave: bool = True, timeout: float | None = None) -> None:
+        """Serves (checkpointing every ``checkpoint_every`` s) until :meth:`stop`, until
+        every worker has left (``until_workers_leave``, once at least one registered), or
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen_workers = False
+        next_save = time.monotonic() + self.checkpoint_every
+        while not self._stop.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            self._stop.wait(min(self.checkpoint_every, 0.1))
+            if time.monotonic() >= next_save:
+                self.checkpoint()
+                next_save = time.monotonic() + self.checkpoint_every
+            st = self.core.stats()
+            seen_workers = seen_workers or st["known_workers"] > 0
+            if until_workers_leave and seen_workers and st["live_workers"] == 0:
+                break
+        self.checkpoint()
+
+    def stop(self) -> None:
+        """Makes :meth:`serve` return."""
+        self._stop.set()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: pushes, pulls, clocks_applied, applied_through, live_workers,
+        min_clock, max_granted_gap, bytes_received/sent, refused_handshakes..."""
+        return self.core.stats()
+
+    def clocks(self) -> list[tuple[int, int, bool]]:
+        """(worker, clock, live) for every worker ever registered."""
+        return self.core.clocks()
+
+    def close(self) -> None:
+        """Stops serving and releases the socket."""
+        self._stop.set()
+        self.core.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shape: tuple[int, ...]
+    numel: int
+
+
+class Worker:
+    """A worker's connection to the parameter servers (thread-safe: many threads may push
+    and pull at once; one thread should call :meth:`step`).
+
+    ``servers``: ``"host:port"`` of every server slot, the same list in every worker.
+    ``worker_id`` defaults to ``RANK``. ``timeout`` bounds every operation, retries and
+    reconnections included (``MCPTimeoutError``/``PeerLostError`` after it). ``codec``
+    (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``) encodes pushed gradients.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str] | str,
+        worker_id: int | None = None,
+        *,
+        secret: str | bytes | None = None,
+        timeout: float = 60.0,
+        dead_after: float = 5.0,
+        split_above: int = 1 << 18,
+        chaos: Any = None,
+        codec: str = "none",
+        block: int = 256,
+    ) -> None:
+        if isinstance(servers, str):
+            servers = [s for s in servers.split(",") if s]
+        if worker_id is None:
+            worker_id = int(os.environ.get("RANK", "0"))
+        if worker_id < 0:
+            raise ValueError(f"worker_id must be >= 0, got {worker_id}")
+        self.codec = codec
+        self.block = block
+        self._specs: dict[str, _Spec] = {}
+        self._lock = threading.Lock()
+        self.last_min_clock: int | None = None
+        """The slowest live clock the servers reported at the last :meth:`step`."""
+        self.core = _core.PsWorker(
+            list(servers),
+            worker_id,
+            _secret_bytes(secret),
+            timeout=timeout,
+            dead_after=dead_after,
+            split_above=split_above,
+            chaos=_chaos(chaos),
+        )
+
+    @property
+    def worker_id(self) -> int:
+        return self.core.worker
+
+    @property
+    def clock(self) -> int:
+        """Steps finished."""
+        return self.core.clock
+
+    def init(self, params: Mapping[str, Any]) -> None:
+        """Registers the tensors (every worker must give the same names and shapes) and
+        creates them on the servers unless they exist (the first worker's values win)."""
+        bufs = {k: _f32(v, f"params[{k!r}]", writable=False) for k, v in params.items()}
+        with self._lock:
+            self._specs = {k: _Spec(b.shape, b.numel) for k, b in bufs.items()}
+            self.core.set_tensors([(k, b.numel) for k, b in bufs.items()])
+        self.core.init([(k, b.ptr, b.nbytes) for k, b in bufs.items()])
+
+    def _check(self, items: Mapping[str, Any], what: str, writable: bool) -> list[Buffer]:
+        out = []
+        for k, v in items.items():
+            spec = self._specs.get(k)
+            if spec is None:
+                raise KeyError(f"{what}: no tensor {k!r} was registered with init()")
+            b = _f32(v, f"{what}[{k!r}]", writable)
+            if b.numel != spec.numel:
+                raise ValueError(
+                    f"{what}[{k!r}]: shape {b.shape}, but it was registered as {spec.shape}"
+                )
+            out.append(b)
+        return out
+
+    def push(self, grads: Mapping[str, Any], codec: str | None = None) -> None:
+        """Pushes gradients (any subset of the tensors) for the current clock; returns once
+        every server has taken them."""
+        bufs = self._check(grads, "grads", writable=False)
+        self.core.push(
+            [(k, b.ptr, b.nbytes) for k, b in zip(grads, bufs, strict=True)],
+            codec=codec or self.codec,
+            block=self.block,
+        )
+
+    def pull(self, into: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The current parameters: into the given tensors in place (any subset), or into new
+        float32 numpy arrays of every tensor."""
+        if into is None:
+            into = {k: np.empty(s.shape, np.float32) for k, s in self._specs.items()}
+        bufs = self._check(into, "into", writable=True)
+        self.core.pull([(k, b.ptr, b.nbytes) for k, b in zip(into, bufs, strict=True)])
+        return dict(into)
+
+    def step(
+        self,
+        grads: Mapping[str, Any] | None = None,
+        into: Mapping[str, Any] | None = None,
+        *,
+        codec: str | None = None,
+    ) -> int:
+        """Finishes this clock; returns the new clock once the staleness bound allows.
+
+        With ``grads`` and/or ``into``, it is ``push(grads)``, the step and ``pull(into)``
+        in one round trip per server (the fast path of a training loop)."""
+        if grads is None and into is None:
+            clock, low = self.core.advance()
+        else:
+            gb = self._check(grads or {}, "grads", writable=False)
+            ib = self._check(into or {}, "into", writable=True)
+            clock, low = self.core.step(
+                [(k, b.ptr, b.nbytes) for k, b in zip(grads or {}, gb, strict=True)],
+                [(k, b.ptr, b.nbytes) for k, b in zip(into or {}, ib, strict=True)],
+                codec=codec or self.codec,
+                block=self.block,
+            )
+        self.last_min_clock = low
+        return clock
+
+    def sync(self) -> int:
+        """A global barrier: returns once every live worker called it (or finished this
+        clock) and every update before it is applied, so that every worker now reads the
+        same parameters. Counts as a step."""
+        clock, low = self.core.advance(staleness=0)
+        self.last_min_clock = low
+        return clock
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[dict[str, Any]]:
+        """``with w.evaluation() as params:`` a barrier, then the parameters every worker
+        sees alike."""
+        self.sync()
+        yield self.pull()
+
+    def stats(self) -> list[dict[str, int]]:
+        """Each server's counters, by slot."""
+        return self.core.stats()
+
+    def counters(self) -> tuple[int, int]:
+        """(retried requests, reconnections) so far."""
+        return self.core.counters()
+
+    def replace_server(self, slot: int, address: str) -> None:
+        """Points server slot ``slot`` at ``address`` (a standby on another address)."""
+        self.core.replace_server(slot, address)
+
+    def close(self) -> None:
+        """Leaves (the servers drop this worker from the minimum at once)."""
+        self.core.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- launching
+
+
+def _server_main(kwargs: dict[str, Any], ready: Any) -> None:
+    srv = Server(**kwargs)
+    ready.put(srv.address)
+    try:
+        srv.serve(until_workers_leave=True)
+    finally:
+        srv.close()
+
+
+def _worker_main(
+    fn: Callable[..., Any], wid: int, kwargs: dict[str, Any], args: tuple, q: Any
+) -> None:
+    try:
+        with Worker(worker_id=wid, **kwargs) as w:
+            result = fn(w, *args)
+        q.put((wid, "ok", result))
+    except BaseException as e:
+        q.put((wid, "err", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _free_udp_port(host: str) -> int:
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                u.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free UDP port found in 20000-32000")
+
+
+def launch(
+    fn: Callable[..., Any],
+    num_workers: int = 3,
+    num_servers: int = 1,
+    *,
+    args: tuple = (),
+    host: str = "127.0.0.1",
+    ports: Sequence[int] | None = None,
+    secret: str | bytes | None = None,
+    server_kwargs: Mapping[str, Any] | None = None,
+    worker_kwargs: Mapping[str, Any] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    restart_servers: bool = True,
+    timeout: float = 600.0,
+) -> list[Any]:
+    """Runs ``fn(worker, *args)`` in ``num_workers`` processes against ``num_servers`` server
+    processes on ``host``; returns each worker's result by worker id.
+
+    ``fn`` must be importable (a module-level function): processes are started with 'spawn'.
+    With ``checkpoint_dir``, server ``i`` checkpoints into ``checkpoint_dir/server-i``; a server
+    process that dies is replaced by a standby on the same address that restores the latest
+    checkpoint (``restart_servers``). A failed worker raises ``RuntimeError`` with its error.
+    """
+    ctx = mp.get_context("spawn")
+    sec = _secret_bytes(secret) if (secret or os.environ.get("MCP_SECRET")) else None
+    if sec is None:
+        sec = _secrets.token_hex(16).encode()
+    ports = list(ports) if ports is not None else [_free_udp_port(host) for _ in range(num_servers)]
+    if len(ports) != num_servers:
+        raise ValueError(f"{num_servers} servers but {len(ports)} ports")
+    addrs = [f"{host}:{p}" for p in ports]
+    skw: dict[str, Any] = {"num_workers": num_workers, **(server_kwargs or {})}
+    wkw: dict[str, Any] = {"servers": addrs, "secret": sec, **(worker_kwargs or {})}
+
+    def server_kwargs_for(i: int, restore: bool) -> dict[str, Any]:
+        kw = {**skw, "bind": addrs[i], "secret": sec}
+        if checkpoint_dir is not None:
+            kw["checkpoint_dir"] = str(Path(checkpoint_dir) / f"server-{i}")
+            kw["restore"] = restore
+        return kw
+
+    def start_server(i: int, restore: bool) -> Any:
+        ready = ctx.Queue()
+        p = ctx.Process(
+            target=_server_main,
+            args=(server_kwargs_for(i, restore), ready),
+            name=f"mcp-ps-server-{i}",
+        )
+        p.start()
+        try:
+            ready.get(timeout=60)
+        except Exception:
+            p.kill()
+            raise RuntimeError(f"parameter server {i} did not start") from None
+        return p
+
+    servers = [start_server(i, restore=False) for i in range(num_servers)]
+    q = ctx.Queue()
+    workers = [
+        ctx.Process(target=_worker_main, args=(fn, w, wkw, args, q), daemon=True)
+        for w in range(num_workers)
+    ]
+    for p in workers:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < num_workers and time.monotonic() < deadline:
+            try:
+                wid, status, value = q.get(timeout=0.2)
+                (results if status == "ok" else errors)[wid] = value
+            except Exception:
+                pass
+            for w, p in enumerate(workers):
+                if w not in results and w not in errors and p.exitcode not in (None, 0):
+                    errors[w] = f"worker process exited with code {p.exitcode}"
+            for i, p in enumerate(servers):
+                if p.exitcode is not None and p.exitcode != 0 and restart_servers:
+                    if checkpoint_dir is None:
+                        raise RuntimeError(f"parameter server {i} died (exit code {p.exitcode})")
+                    servers[i] = start_server(i, restore=True)
+    finally:
+        for p in workers:
+            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for p in servers:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors:
+        raise RuntimeError(
+            "parameter-server workers failed: "
+            + "; ".join(f"worker {w}: {e}" for w, e in sorted(errors.items()))
+        )
+    if len(results) < num_workers:
+        raise TimeoutError(f"workers did not finish within {timeout} s")
+    return [results[w] for w in range(num_workers)]
+
+
+def run_from_env(
+    fn: Callable[[Worker], Any],
+    num_servers: int = 1,
+    *,
+    server_kwargs: Mapping[str, Any] | None = None,
+    worker_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """For ``torchrun``: ranks below ``num_servers`` serve, the others run ``fn(worker)``.
+
+    Server ``i`` listens on ``MASTER_ADDR:MASTER_PORT+1+i`` (so server ranks must run on the
+    master's host); the job secret is ``MCP_SECRET``, or one that rank 0 generates and hands
+    out through a torch TCPStore on ``MASTER_PORT``. Returns what ``fn`` returned (None on
+    servers).
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    if world <= num_servers:
+        raise ValueError(f"{world} ranks leave no worker beside {num_servers} servers")
+    sec = os.environ.get("MCP_SECRET")
+    if not sec:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(host, port, world, is_master=rank == 0, timeout=_timedelta(300))
+        if rank == 0:
+            store.set("mcp_ps_secret", _secrets.token_hex(16))
+        sec = store.get("mcp_ps_secret").decode()
+    addrs = [f"{host}:{port + 1 + i}" for i in range(num_servers)]
+    if rank < num_servers:
+        kw = {"num_workers": world - num_servers, **(server_kwargs or {})}
+        with Server(addrs[rank], secret=sec, **kw) as srv:
+            srv.serve(until_workers_leave=True)
+        return None
+    with Worker(addrs, worker_id=rank - num_servers, secret=sec, **(worker_kwargs or {})) as w:
+        return fn(w)
+
+
+def _timedelta(s: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=s)

@@ -1,0 +1,288 @@
+//! QUIC plumbing of the parameter server: endpoints with the job's mutual TLS, and one
+//! framed message per direction on a bidirectional stream.
+
+use crate::error::{Error, Result};
+use crate::transport::quic::chaos::{ChaosConfig, ChaosStats};
+use crate::transport::quic::endpoint;
+use crate::transport::quic::tls::Identity;
+use crate::transport::quic::QuicConfig;
+use crate::wire::{Codec, FrameKind, Header, ModelSpec, HEADER_FIXED, PROTOCOL_MINOR};
+use crate::{DType, ReduceOp};
+use bytes::Bytes;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Endpoint, RecvStream, SendStream, VarInt};
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// ALPN of the parameter-server protocol.
+pub(crate) fn alpn() -> Vec<u8> {
+    format!("mcp-ps/{}", crate::wire::PROTOCOL_MAJOR).into_bytes()
+}
+
+/// Largest data section a message may announce.
+pub(crate) const MAX_DATA: u64 = 1 << 30;
+
+/// Requests in flight per connection.
+const MAX_STREAMS: u32 = 4096;
+
+/// A bound endpoint and what goes with it.
+pub(crate) struct Bound {
+    pub endpoint: Endpoint,
+    pub client: quinn::ClientConfig,
+    pub kill: Arc<AtomicBool>,
+    pub chaos: Option<Arc<ChaosStats>>,
+}
+
+/// Binds `addr` and makes an endpoint that accepts connections when `serve`. A connection
+/// silent for `dead_after` is closed (QUIC pings every quarter of it keep live ones open).
+pub(crate) fn bind(
+    addr: SocketAddr,
+    secret: &[u8],
+    serve: bool,
+    dead_after: Duration,
+    chaos: Option<ChaosConfig>,
+) -> Result<Bound> {
+    let id = Identity::from_secret(secret)?;
+    let sock = endpoint::bind_socket(addr, false)?;
+    let mut qc = QuicConfig::new(0, 1, addr);
+    qc.idle_timeout = dead_after;
+    qc.heartbeat = dead_after / 4;
+    let transport = || -> Result<Arc<quinn::TransportConfig>> {
+        let mut t = endpoint::transport_config(&qc, &sock)?;
+        t.max_concurrent_bidi_streams(VarInt::from_u32(MAX_STREAMS));
+        t.max_concurrent_uni_streams(VarInt::from_u32(0));
+        Ok(Arc::new(t))
+    };
+    let tls = id.client_config(vec![alpn()])?;
+    let quic = QuicClientConfig::try_from(tls)
+        .map_err(|e| Error::Io(format!("QUIC client config: {e}")))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(quic));
+    client.transport_config(transport()?);
+    let server = if serve {
+        let tls = id.server_config(vec![alpn()])?;
+        let quic = QuicServerConfig::try_from(tls)
+            .map_err(|e| Error::Io(format!("QUIC server config: {e}")))?;
+        let mut s = quinn::ServerConfig::with_crypto(Arc::new(quic));
+        s.transport_config(transport()?);
+        Some(s)
+    } else {
+        None
+    };
+    let kill = Arc::new(AtomicBool::new(false));
+    let (endpoint, chaos) = endpoint::endpoint(sock, server, chaos, kill.clone())?;
+    Ok(Bound {
+        endpoint,
+        client,
+        kill,
+        chaos,
+    })
+}
+
+/// The header and metadata of a message; the data section is still on the stream.
+pub(crate) struct Head {
+    pub header: Header,
+    pub meta: Vec<u8>,
+}
+
+impl Head {
+    /// Bytes in the data section.
+    pub fn data_len(&self) -> u64 {
+        self.header.payload_len - self.meta.len() as u64
+    }
+
+    /// Elements the data section decodes to.
+    pub fn numel(&self) -> u64 {
+        self.header.spec.shape.first().copied().unwrap_or(0)
+    }
+
+    /// Checks the payload CRC once `data` (the data section) has been read.
+    pub fn verify(&self, data: &[u8]) -> Result<()> {
+        self.verify_parts(&[data])
+    }
+
+    /// Checks the payload CRC of a data section read into several parts, in order.
+    pub fn verify_parts(&self, parts: &[&[u8]]) -> Result<()> {
+        let crc = parts.iter().fold(crc32c::crc32c(&self.meta), |c, p| {
+            crc32c::crc32c_append(c, p)
+        });
+        if crc != self.header.payload_crc {
+            return Err(Error::Protocol(format!(
+                "parameter-server message {} from {} failed its checksum (corrupted in transit or in memory)",
+                self.header.seq, self.header.src
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A stream or connection failure, which the client retries.
+fn lost(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::PeerLost {
+        rank: usize::MAX,
+        op: what.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// Writes one message and finishes the stream.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn write_msg(
+    send: &mut SendStream,
+    kind: FrameKind,
+    id: u64,
+    worker: u32,
+    op: u32,
+    codec: Codec,
+    numel: u64,
+    meta: &[u8],
+    data: Bytes,
+) -> Result<()> {
+    let header = Header {
+        kind,
+        minor: PROTOCOL_MINOR,
+        seq: id,
+        step: 0,
+        chunk: meta.len() as u32,
+        chunk_count: 0,
+        src: worker,
+        aux: op,
+        spec: ModelSpec {
+            dtype: DType::F32,
+            op: ReduceOp::None,
+            codec,
+            shape: vec![numel],
+        },
+        payload_len: (meta.len() + data.len()) as u64,
+        payload_crc: crc32c::crc32c_append(crc32c::crc32c(meta), &data),
+    };
+    let mut buf = Vec::with_capacity(header.encoded_len() + meta.len() + 64);
+    header.encode(&mut buf)?;
+    buf.extend_from_slice(meta);
+    if data.len() <= 16 << 10 {
+        buf.extend_from_slice(&data);
+        send.write_all(&buf).await.map_err(|e| lost("send", e))?;
+    } else {
+        send.write_all(&buf).await.map_err(|e| lost("send", e))?;
+        send.write_chunk(data).await.map_err(|e| lost("send", e))?;
+    }
+    send.finish().map_err(|e| lost("send", e))?;
+    Ok(())
+}
+
+fn read_err(e: quinn::ReadExactError) -> Error {
+    match e {
+        quinn::ReadExactError::ReadError(r) => lost("receive", r),
+        quinn::ReadExactError::FinishedEarly(n) => Error::Protocol(format!(
+            "parameter-server message ended early ({n} bytes read)"
+        )),
+    }
+}
+
+/// Reads a message's header and metadata, checking them.
+pub(crate) async fn read_head(recv: &mut RecvStream, expect: FrameKind) -> Result<Head> {
+    let mut fixed = [0u8; HEADER_FIXED];
+    recv.read_exact(&mut fixed).await.map_err(read_err)?;
+    let shape_len = Header::shape_len(&fixed)?;
+    let mut hbytes = fixed.to_vec();
+    hbytes.resize(HEADER_FIXED + shape_len, 0);
+    recv.read_exact(&mut hbytes[HEADER_FIXED..])
+        .await
+        .map_err(read_err)?;
+    let header = Header::decode(&hbytes)?;
+    if header.kind != expect {
+        return Err(Error::Protocol(format!(
+            "expected a {} frame, got {}",
+            expect.op_name(),
+            header.kind.op_name()
+        )));
+    }
+    let meta_len = header.chunk as usize;
+    if meta_len > super::proto::MAX_META
+        || meta_len as u64 > header.payload_len
+        || header.payload_len - meta_len as u64 > MAX_DATA
+    {
+        return Err(Error::Protocol(format!(
+            "parameter-server message announces {} bytes of metadata and {} of payload",
+            meta_len, header.payload_len
+        )));
+    }
+    let mut meta = vec![0u8; meta_len];
+    recv.read_exact(&mut meta).await.map_err(read_err)?;
+    Ok(Head { header, meta })
+}
+
+/// Reads exactly `dst.len()` bytes of data section into `dst`.
+pub(crate) async fn read_data(recv: &mut RecvStream, dst: &mut [u8]) -> Result<()> {
+    let mut at = 0;
+    while at < dst.len() {
+        match recv.read_chunk(dst.len() - at, true).await {
+            Ok(Some(c)) => {
+                dst[at..at + c.bytes.len()].copy_from_slice(&c.bytes);
+                at += c.bytes.len();
+            }
+            Ok(None) => {
+                return Err(Error::Protocol(format!(
+                    "parameter-server data ended after {at} of {} bytes",
+                    dst.len()
+                )))
+            }
+            Err(e) => return Err(lost("receive", e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reads the data section as f32 values decoded with the message's codec.
+pub(crate) async fn read_f32(recv: &mut RecvStream, head: &Head) -> Result<Vec<f32>> {
+    let n = head.numel();
+    let bytes = head.data_len();
+    if n > MAX_DATA / 4 {
+        return Err(Error::Protocol(format!("{n} elements announced")));
+    }
+    let mut out = vec![0f32; n as usize];
+    if head.header.spec.codec == Codec::None {
+        if bytes != n * 4 {
+            return Err(Error::Protocol(format!(
+                "{bytes} bytes of data for {n} float32 elements"
+            )));
+        }
+        let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        read_data(recv, dst).await?;
+        head.verify(dst)?;
+    } else {
+        let mut enc = vec![0u8; bytes as usize];
+        read_data(recv, &mut enc).await?;
+        head.verify(&enc)?;
+        crate::codec::decode(
+            head.header.spec.codec,
+            DType::F32,
+            &enc,
+            bytemuck::cast_slice_mut(&mut out),
+        )
+        .map_err(|e| Error::Protocol(format!("undecodable gradient: {e}")))?;
+    }
+    Ok(out)
+}
+
+/// Decodes `numel` f32 values coded with `codec` from `enc`.
+pub(crate) fn decode_f32(codec: Codec, enc: &[u8], numel: u64) -> Result<Vec<f32>> {
+    if numel > MAX_DATA / 4 {
+        return Err(Error::Protocol(format!("{numel} elements announced")));
+    }
+    let mut out = vec![0f32; numel as usize];
+    if codec == Codec::None {
+        if enc.len() as u64 != numel * 4 {
+            return Err(Error::Protocol(format!(
+                "{} bytes of data for {numel} float32 elements",
+                enc.len()
+            )));
+        }
+        bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(enc);
+    } else {
+        crate::codec::decode(codec, DType::F32, enc, bytemuck::cast_slice_mut(&mut out))
+            .map_err(|e| Error::Protocol(format!("undecodable gradient: {e}")))?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,619 @@
+//! A parameter server: a QUIC endpoint that holds its pieces in a [`Store`] and answers
+//! the requests of [`super::proto`], one per bidirectional stream.
+//!
+//! A worker is live from its `Register` until it leaves, or until its connection closes:
+//! QUIC pings it every quarter of `dead_after` and closes the connection after `dead_after`
+//! of silence (killed, frozen, cut off), and the worker is then dropped from the staleness
+//! minimum. `Advance` requests wait (asynchronously, bounded by the request's `wait`) until
+//! the SSP condition holds.
+
+use super::net::{self, Head};
+use super::optim::Optimizer;
+use super::proto::{ErrorCode, Reply, Request};
+use super::store::{Aggregate, Piece, PieceId, Store};
+use crate::error::{Error, Result};
+use crate::transport::quic::chaos::{ChaosConfig, ChaosStats};
+use crate::transport::quic::close_code;
+use crate::wire::{Codec, FrameKind};
+use bytes::Bytes;
+use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// How to start a server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on (UDP).
+    pub bind: SocketAddr,
+    /// The job secret: only processes that hold it are accepted.
+    pub secret: Vec<u8>,
+    /// The update rule.
+    pub optimizer: Optimizer,
+    /// How the gradients of one clock are combined.
+    pub aggregate: Aggregate,
+    /// Staleness bound `s`.
+    pub staleness: u64,
+    /// Workers expected at start: `Register` answers once this many have registered.
+    pub num_workers: usize,
+    /// A connection silent this long is closed and its worker dropped.
+    pub dead_after: Duration,
+    /// How long a `Register` may wait for the other workers.
+    pub register_timeout: Duration,
+    /// Faults to inject under QUIC.
+    pub chaos: Option<ChaosConfig>,
+}
+
+impl ServerConfig {
+    /// Defaults: SGD (lr 0.01, momentum 0.9), mean of the gradients, s = 3, one worker,
+    /// dead after 5 s, 300 s to register.
+    pub fn new(bind: SocketAddr, secret: Vec<u8>) -> ServerConfig {
+        ServerConfig {
+            bind,
+            secret,
+            optimizer: Optimizer::default(),
+            aggregate: Aggregate::Mean,
+            staleness: 3,
+            num_workers: 1,
+            dead_after: Duration::from_secs(5),
+            register_timeout: Duration::from_secs(300),
+            chaos: None,
+        }
+    }
+}
+
+struct Inner {
+    cfg: ServerConfig,
+    store: Mutex<Store>,
+    /// Bumped at every change of the clock table; `Advance` and `Register` wait on it.
+    changed: watch::Sender<u64>,
+    /// Workers a `Register` waits for (`num_workers`, lower after a restore).
+    expect: AtomicUsize,
+    /// Which connection each worker registered on (a newer one replaces an older one).
+    owner: Mutex<HashMap<u32, u64>>,
+    next_conn: AtomicU64,
+    endpoint: Endpoint,
+    kill: Arc<AtomicBool>,
+    chaos: Option<Arc<ChaosStats>>,
+    closing: AtomicBool,
+    refused: AtomicU64,
+    corrupt: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+}
+
+impl Inner {
+    fn store(&self) -> MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+}
+
+/// A running parameter server.
+#[derive(Clone)]
+pub struct PsServer {
+    inner: Arc<Inner>,
+}
+
+impl PsServer {
+    /// Binds and starts serving. Must run inside a tokio runtime.
+    pub async fn start(cfg: ServerConfig) -> Result<PsServer> {
+        Self::start_with(cfg, None).await
+    }
+
+    /// As [`PsServer::start`], holding a checkpoint's pieces (see [`PsServer::restore`])
+    /// before the first request is accepted.
+    #[allow(clippy::type_complexity)]
+    pub async fn start_with(
+        cfg: ServerConfig,
+        restore: Option<(u64, Vec<(PieceId, Piece)>)>,
+    ) -> Result<PsServer> {
+        if cfg.num_workers == 0 {
+            return Err(Error::InvalidArgument(
+                "num_workers must be at least 1".into(),
+            ));
+        }
+        let b = net::bind(cfg.bind, &cfg.secret, true, cfg.dead_after, cfg.chaos)?;
+        let inner = Arc::new(Inner {
+            store: Mutex::new(Store::new(cfg.optimizer, cfg.aggregate, cfg.staleness)),
+            changed: watch::channel(0).0,
+            expect: AtomicUsize::new(cfg.num_workers),
+            owner: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            endpoint: b.endpoint,
+            kill: b.kill,
+            chaos: b.chaos,
+            closing: AtomicBool::new(false),
+            refused: AtomicU64::new(0),
+            corrupt: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+            cfg,
+        });
+        let server = PsServer { inner };
+        if let Some((applied, pieces)) = restore {
+            server.restore(applied, pieces)?;
+        }
+        tokio::spawn(accept_loop(server.inner.clone()));
+        Ok(server)
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.inner.endpoint.local_addr()?)
+    }
+
+    /// Every piece with its optimizer state, and the clock below which every clock was
+    /// applied when it was taken: one consistent cut, for a checkpoint.
+    pub fn snapshot(&self) -> (u64, Vec<(PieceId, Piece)>) {
+        let s = self.inner.store();
+        (s.applied_through(), s.snapshot())
+    }
+
+    /// Replaces the pieces by a checkpoint's (see [`Store::restore`]). Workers register again
+    /// as they reconnect; `Register` then waits at most `2 x dead_after` for the others.
+    pub fn restore(&self, applied: u64, pieces: Vec<(PieceId, Piece)>) -> Result<()> {
+        self.inner.store().restore(applied, pieces)?;
+        self.inner.expect.store(0, Ordering::Release);
+        self.inner.bump();
+        Ok(())
+    }
+
+    /// Counters: pushes, pulls, clocks applied, live workers, the largest staleness gap
+    /// granted, bytes in and out, refused handshakes, corrupt messages.
+    pub fn stats(&self) -> Vec<(String, u64)> {
+        stats(&self.inner)
+    }
+
+    /// (worker, clock, live) of every worker ever registered.
+    pub fn clocks(&self) -> Vec<(u32, u64, bool)> {
+        self.inner.store().clocks().entries()
+    }
+
+    /// Cuts the server off the network (needs `chaos`): every datagram is dropped.
+    pub fn chaos_kill(&self) -> Result<()> {
+        if self.inner.chaos.is_none() {
+            return Err(Error::InvalidArgument(
+                "the kill switch needs chaos=... at start".into(),
+            ));
+        }
+        self.inner.kill.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether [`PsServer::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.inner.closing.load(Ordering::Acquire)
+    }
+
+    /// Stops serving: closes every connection and the endpoint.
+    pub async fn close(&self) {
+        if self.inner.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.inner.endpoint.close(
+            VarInt::from_u32(close_code::GOODBYE),
+            b"parameter server closed",
+        );
+        self.inner.bump();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
+    }
+}
+
+fn stats(inner: &Inner) -> Vec<(String, u64)> {
+    let s = inner.store();
+    let st = s.stats();
+    let c = s.clocks();
+    let mut v = vec![
+        ("pushes", st.pushes),
+        ("duplicate_pushes", st.duplicate_pushes),
+        ("pulls", st.pulls),
+        ("clocks_applied", st.clocks_applied),
+        ("applied_through", s.applied_through()),
+        ("live_workers", c.live() as u64),
+        ("known_workers", c.known() as u64),
+        ("min_clock", c.min_live().unwrap_or(u64::MAX)),
+        ("max_granted_gap", c.max_granted_gap()),
+        ("staleness", s.staleness()),
+        ("pieces", s.len() as u64),
+        ("refused_handshakes", inner.refused.load(Ordering::Relaxed)),
+        ("corrupt_messages", inner.corrupt.load(Ordering::Relaxed)),
+        ("bytes_received", inner.bytes_in.load(Ordering::Relaxed)),
+        ("bytes_sent", inner.bytes_out.load(Ordering::Relaxed)),
+    ];
+    drop(s);
+    if let Some(ch) = &inner.chaos {
+        v.push((
+            "chaos_send_dropped",
+            ch.send_dropped.load(Ordering::Relaxed),
+        ));
+        v.push((
+            "chaos_recv_dropped",
+            ch.recv_dropped.load(Ordering::Relaxed),
+        ));
+    }
+    v.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
+}
+
+async fn accept_loop(inner: Arc<Inner>) {
+    while let Some(incoming) = inner.endpoint.accept().await {
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else {
+                inner.refused.fetch_add(1, Ordering::Relaxed);
+                return;
+            };
+            if conn.peer_identity().is_none() {
+                inner.refused.fetch_add(1, Ordering::Relaxed);
+                conn.close(
+                    VarInt::from_u32(close_code::AUTH_REQUIRED),
+                    b"a client certificate from the job CA is required",
+                );
+                return;
+            }
+            serve_conn(inner, conn).await;
+        });
+    }
+}
+
+async fn serve_conn(inner: Arc<Inner>, conn: Connection) {
+    let id = inner.next_conn.fetch_add(1, Ordering::Relaxed);
+    let worker: Arc<Mutex<Option<u32>>> = Arc::new(Mutex::new(None));
+    loop {
+        let (send, recv) = match conn.accept_bi().await {
+            Ok(s) => s,
+            Err(_) => break,
+        };
+        let inner = inner.clone();
+        let worker = worker.clone();
+        tokio::spawn(async move {
+            handle_stream(&inner, id, &worker, send, recv).await;
+        });
+    }
+    // The connection is gone: drop its worker unless it registered again elsewhere.
+    let w = *worker.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = w {
+        let mine = {
+            let mut owner = inner.owner.lock().unwrap_or_else(|p| p.into_inner());
+            if owner.get(&w) == Some(&id) {
+                owner.remove(&w);
+                true
+            } else {
+                false
+            }
+        };
+        if mine {
+            let _ = inner.store().drop_worker(w);
+            inner.bump();
+        }
+    }
+}
+
+async fn handle_stream(
+    inner: &Arc<Inner>,
+    conn_id: u64,
+    worker: &Mutex<Option<u32>>,
+    mut send: SendStream,
+    mut recv: RecvStream,
+) {
+    let head = match net::read_head(&mut recv, FrameKind::PsRequest).await {
+        Ok(h) => h,
+        Err(e) => {
+            if matches!(e, Error::Protocol(_)) {
+                inner.corrupt.fetch_add(1, Ordering::Relaxed);
+                let _ = reply(inner, &mut send, 0, error_reply(&e), Bytes::new()).await;
+            }
+            return;
+        }
+    };
+    let id = head.header.seq;
+    let (rep, data) = match answer(inner, conn_id, worker, &head, &mut recv).await {
+        Ok(r) => r,
+        Err(e) => {
+            if matches!(e, Error::Protocol(_)) {
+                inner.corrupt.fetch_add(1, Ordering::Relaxed);
+            }
+            (error_reply(&e), Bytes::new())
+        }
+    };
+    let _ = reply(inner, &mut send, id, rep, data).await;
+}
+
+fn error_reply(e: &Error) -> Reply {
+    Reply::Error {
+        code: ErrorCode::of(e),
+        message: e.to_string(),
+    }
+}
+
+async fn reply(
+    inner: &Inner,
+    send: &mut SendStream,
+    id: u64,
+    rep: Reply,
+    data: Bytes,
+) -> Result<()> {
+    let mut meta = Vec::new();
+    rep.encode_meta(&mut meta)?;
+    let numel = (data.len() / 4) as u64;
+    inner
+        .bytes_out
+        .fetch_add((meta.len() + data.len()) as u64, Ordering::Relaxed);
+    net::write_msg(
+        send,
+        FrameKind::PsReply,
+        id,
+        0,
+        rep.op(),
+        Codec::None,
+        numel,
+        &meta,
+        data,
+    )
+    .await
+}
+
+fn not_live(w: u32) -> Reply {
+    Reply::Error {
+        code: ErrorCode::NotLive,
+        message: format!(
+            "worker {w} is not registered here (new server, or it was dropped as dead)"
+        ),
+    }
+}
+
+async fn answer(
+    inner: &Arc<Inner>,
+    conn_id: u64,
+    worker_slot: &Mutex<Option<u32>>,
+    head: &Head,
+    recv: &mut RecvStream,
+) -> Result<(Reply, Bytes)> {
+    let req = Request::decode(head.header.aux, &head.meta)?;
+    let w = head.header.src;
+    inner
+        .bytes_in
+        .fetch_add(head.header.payload_len, Ordering::Relaxed);
+    let needs_data = matches!(
+        req,
+        Request::Init { .. } | Request::Push { .. } | Request::Step { .. }
+    );
+    if !needs_data {
+        if head.data_len() != 0 {
+            return Err(Error::Protocol(format!("{} carries data", req.name())));
+        }
+        head.verify(&[])?;
+    }
+    match req {
+        Request::Register { clock } => {
+            *worker_slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(w);
+            inner
+                .owner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(w, conn_id);
+            inner.store().register(w, clock)?;
+            inner.bump();
+            // Wait for the expected workers (all of them at start, bounded after a restore).
+            let restored = inner.expect.load(Ordering::Acquire) == 0;
+            let limit = if restored {
+                inner.cfg.dead_after * 2
+            } else {
+                inner.cfg.register_timeout
+            };
+            let deadline = Instant::now() + limit;
+            let mut rx = inner.changed.subscribe();
+            loop {
+                rx.borrow_and_update();
+                let known = inner.store().clocks().known();
+                let want = if restored {
+                    inner.cfg.num_workers
+                } else {
+                    inner.expect.load(Ordering::Acquire)
+                };
+                if known >= want {
+                    break;
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() || inner.closing.load(Ordering::Acquire) {
+                    if restored {
+                        break;
+                    }
+                    return Err(Error::Timeout {
+                        what: format!(
+                            "only {known} of {want} workers registered with the parameter server"
+                        ),
+                        after: limit,
+                    });
+                }
+                let _ = tokio::time::timeout(left, rx.changed()).await;
+            }
+            let s = inner.store();
+            Ok((
+                Reply::Clock {
+                    clock: s.clocks().clock_of(w).unwrap_or(clock),
+                    min: s.clocks().min_live(),
+                    applied: s.applied_through(),
+                },
+                Bytes::new(),
+            ))
+        }
+        Request::Init { key, offset } => {
+            let values = net::read_f32(recv, head).await?;
+            inner.store().init(&key, offset, values);
+            Ok((Reply::Ok, Bytes::new()))
+        }
+        Request::Push { clock, key, offset } => {
+            let grad = net::read_f32(recv, head).await?;
+            if grad.iter().any(|x| !x.is_finite()) {
+                return Err(Error::InvalidArgument(format!(
+                    "the gradient pushed for {key:?}[{offset}..] holds NaN or Inf; refused"
+                )));
+            }
+            let mut s = inner.store();
+            if !s.clocks().is_live(w) {
+                return Ok((not_live(w), Bytes::new()));
+            }
+            s.push(w, head.header.seq << 16, clock, &key, offset, grad)?;
+            Ok((Reply::Ok, Bytes::new()))
+        }
+        Request::Pull { key, offset, len } => {
+            let (applied, data) = {
+                let mut s = inner.store();
+                let applied = s.applied_through();
+                let p = s.pull(&key, offset)?;
+                if p.len() as u64 != len {
+                    return Err(Error::SpecMismatch(format!(
+                        "pull of {len} elements of {key:?}[{offset}..], which holds {}",
+                        p.len()
+                    )));
+                }
+                (
+                    applied,
+                    Bytes::from(bytemuck::cast_slice::<f32, u8>(p).to_vec()),
+                )
+            };
+            Ok((Reply::Data { applied }, data))
+        }
+        Request::Advance {
+            clock,
+            staleness,
+            wait,
+        } => Ok((
+            advance_and_wait(inner, w, clock, staleness, wait).await?,
+            Bytes::new(),
+        )),
+        Request::Step {
+            clock,
+            staleness,
+            wait,
+            pushes,
+            pulls,
+        } => {
+            if pushes.len() >= 1 << 16 {
+                return Err(Error::InvalidArgument(
+                    "at most 65535 pushes per step".into(),
+                ));
+            }
+            let total: u64 = pushes.iter().map(|p| p.3).sum();
+            if total != head.data_len() {
+                return Err(Error::Protocol(format!(
+                    "step announces {total} bytes of pushes and carries {}",
+                    head.data_len()
+                )));
+            }
+            let mut data = vec![0u8; total as usize];
+            net::read_data(recv, &mut data).await?;
+            head.verify(&data)?;
+            let codec = head.header.spec.codec;
+            let mut grads = Vec::with_capacity(pushes.len());
+            let mut at = 0usize;
+            for (key, offset, numel, nbytes) in pushes {
+                let enc = &data[at..at + nbytes as usize];
+                at += nbytes as usize;
+                let g = net::decode_f32(codec, enc, numel)?;
+                if g.iter().any(|x| !x.is_finite()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "the gradient pushed for {key:?}[{offset}..] holds NaN or Inf; refused"
+                    )));
+                }
+                grads.push((key, offset, g));
+            }
+            {
+                let mut s = inner.store();
+                if !s.clocks().is_live(w) {
+                    return Ok((not_live(w), Bytes::new()));
+                }
+                let base = head.header.seq << 16;
+                for (i, (key, offset, g)) in grads.into_iter().enumerate() {
+                    s.push(w, base | i as u64, clock.saturating_sub(1), &key, offset, g)?;
+                }
+            }
+            let rep = advance_and_wait(inner, w, clock, staleness, wait).await?;
+            if !matches!(rep, Reply::Clock { .. }) {
+                return Ok((rep, Bytes::new()));
+            }
+            let mut out = Vec::with_capacity(pulls.iter().map(|p| p.2 as usize * 4).sum());
+            {
+                let mut s = inner.store();
+                for (key, offset, len) in &pulls {
+                    let p = s.pull(key, *offset)?;
+                    if p.len() as u64 != *len {
+                        return Err(Error::SpecMismatch(format!(
+                            "pull of {len} elements of {key:?}[{offset}..], which holds {}",
+                            p.len()
+                        )));
+                    }
+                    out.extend_from_slice(bytemuck::cast_slice::<f32, u8>(p));
+                }
+            }
+            Ok((rep, Bytes::from(out)))
+        }
+        Request::Leave => {
+            inner
+                .owner
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&w);
+            inner.store().drop_worker(w)?;
+            inner.bump();
+            Ok((Reply::Ok, Bytes::new()))
+        }
+        Request::Stats => Ok((Reply::Stats(stats(inner)), Bytes::new())),
+    }
+}
+
+/// Moves worker `w` to `clock` and waits until the SSP condition lets it go on (or `wait`
+/// passes: `Timeout`); the reply is `Clock`, or `NotLive` when the worker is not live here.
+async fn advance_and_wait(
+    inner: &Arc<Inner>,
+    w: u32,
+    clock: u64,
+    staleness: Option<u64>,
+    wait: Duration,
+) -> Result<Reply> {
+    if !inner.store().advance(w, clock)? {
+        return Ok(not_live(w));
+    }
+    inner.bump();
+    let deadline = Instant::now() + wait;
+    let mut rx = inner.changed.subscribe();
+    loop {
+        rx.borrow_and_update();
+        {
+            let mut s = inner.store();
+            if !s.clocks().is_live(w) {
+                return Ok(not_live(w));
+            }
+            if s.may_proceed(clock, staleness) {
+                return Ok(Reply::Clock {
+                    clock: s.clocks().clock_of(w).unwrap_or(clock),
+                    min: s.clocks().min_live(),
+                    applied: s.applied_through(),
+                });
+            }
+        }
+        if inner.closing.load(Ordering::Acquire) {
+            return Err(Error::Closed("the parameter server is closing".into()));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let s = inner.store();
+            return Err(Error::Timeout {
+                what: format!(
+                    "worker {w} at clock {clock} waited for the slowest live worker (clock {:?}, staleness {})",
+                    s.clocks().min_live(),
+                    staleness.unwrap_or(s.staleness())
+                ),
+                after: wait,
+            });
+        }
+        let _ = tokio::time::timeout(left, rx.changed()).await;
+    }
+}

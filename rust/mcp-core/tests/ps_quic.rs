@@ -1,0 +1,133 @@
+//! The parameter server end to end over real QUIC sockets on 127.0.0.1, all in one process:
+//! registration, split tensors across two servers, push / advance / pull at s = 0, the
+//! one-round-trip step, and refusal of a worker without the job secret.
+
+use mcp_core::ps::sgd::SgdConfig;
+use mcp_core::ps::{ClientConfig, Optimizer, PsClient, PsServer, ServerConfig};
+use mcp_core::wire::Codec;
+use mcp_core::{Error, RawBuf};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+const SECRET: &[u8] = b"ps integration secret";
+
+async fn server(workers: usize) -> PsServer {
+    let mut cfg = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), SECRET.to_vec());
+    cfg.optimizer = Optimizer::Sgd(SgdConfig {
+        lr: 0.5,
+        momentum: 0.0,
+        weight_decay: 0.0,
+        nesterov: false,
+    });
+    cfg.staleness = 0;
+    cfg.num_workers = workers;
+    cfg.dead_after = Duration::from_secs(2);
+    PsServer::start(cfg).await.expect("server")
+}
+
+fn client(servers: Vec<SocketAddr>, worker: u32, secret: &[u8]) -> ClientConfig {
+    ClientConfig {
+        servers,
+        worker,
+        secret: secret.to_vec(),
+        timeout: Duration::from_secs(10),
+        dead_after: Duration::from_secs(2),
+        split_above: 64,
+        chaos: None,
+    }
+}
+
+fn bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// One worker's run: init, then two clocks (separate calls, then the fused step).
+async fn run(c: Arc<PsClient>, w: u32) -> (Vec<f32>, Vec<f32>) {
+    let n = 200;
+    c.set_tensors(&[("x".to_string(), n as u64)]).expect("map");
+    let mut init = bytes(&vec![1.0; n]);
+    // SAFETY: `init` outlives the awaited call and nothing else touches it.
+    let ib = unsafe { RawBuf::from_slice(&mut init) };
+    c.init_all(vec![("x".into(), ib)]).await.expect("init");
+    let mut grad = bytes(&vec![(w + 1) as f32; n]);
+    // SAFETY: as above.
+    let gb = unsafe { RawBuf::from_slice(&mut grad) };
+    c.push_all(vec![("x".into(), gb)], Codec::None)
+        .await
+        .expect("push");
+    let info = c.advance(None).await.expect("advance");
+    assert_eq!((info.clock, info.min), (1, Some(1)));
+    let mut out = vec![0u8; n * 4];
+    // SAFETY: as above.
+    let ob = unsafe { RawBuf::from_slice(&mut out) };
+    c.pull_all(vec![("x".into(), ob)]).await.expect("pull");
+    let after_one = floats(&out);
+    let info = c
+        .step_all(
+            vec![("x".into(), gb)],
+            vec![("x".into(), ob)],
+            Codec::None,
+            None,
+        )
+        .await
+        .expect("step");
+    assert_eq!(info.clock, 2);
+    (after_one, floats(&out))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_two_workers_at_s0() {
+    let (s0, s1) = (server(2).await, server(2).await);
+    let addrs = vec![
+        s0.local_addr().expect("addr"),
+        s1.local_addr().expect("addr"),
+    ];
+    let (a, b) = tokio::join!(
+        PsClient::connect(client(addrs.clone(), 0, SECRET)),
+        PsClient::connect(client(addrs.clone(), 1, SECRET))
+    );
+    let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
+    let (ra, rb) = tokio::join!(run(a.clone(), 0), run(b.clone(), 1));
+    // mean gradient 1.5, lr 0.5: 1 - 0.75 = 0.25, then 0.25 - 0.75 = -0.5, on every element
+    for r in [&ra, &rb] {
+        assert!(r.0.iter().all(|&x| x == 0.25), "{:?}", &r.0[..4]);
+        assert!(r.1.iter().all(|&x| x == -0.5), "{:?}", &r.1[..4]);
+    }
+    let stats = a.stats().await.expect("stats");
+    let get = |kv: &Vec<(String, u64)>, k: &str| {
+        kv.iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| *v)
+            .expect("key")
+    };
+    assert_eq!(stats.len(), 2);
+    assert!(
+        stats.iter().all(|kv| get(kv, "pieces") == 1),
+        "x is split across both"
+    );
+    assert!(stats.iter().all(|kv| get(kv, "clocks_applied") == 2));
+    a.close().await;
+    b.close().await;
+    s0.close().await;
+    s1.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_without_the_secret_is_refused() {
+    let s = server(1).await;
+    let addr = s.local_addr().expect("addr");
+    let r = PsClient::connect(client(vec![addr], 0, b"wrong")).await;
+    assert!(
+        matches!(r, Err(Error::Authentication { .. })),
+        "{:?}",
+        r.err()
+    );
+    s.close().await;
+}

@@ -1,0 +1,99 @@
+"""Functions that the parameter-server tests run in worker threads and processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+from mcp_fast import ps
+
+D, K = 20, 4
+
+
+def data(seed: int, n: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """A separable 4-class problem; every worker draws its own shard from ``seed``."""
+    centers = np.random.default_rng(1234).normal(0, 0.5, (K, D)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, K, n)
+    x = (centers[y] + rng.normal(0, 1.0, (n, D))).astype(np.float32)
+    return x, y
+
+
+def init_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "W": (rng.normal(0, 0.1, (D, K))).astype(np.float32),
+        "b": np.zeros(K, np.float32),
+    }
+
+
+def loss_and_grads(
+    p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Softmax regression: mean cross-entropy and its gradients (deterministic numpy)."""
+    logits = x @ p["W"] + p["b"]
+    logits = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(logits)
+    prob = e / e.sum(axis=1, keepdims=True)
+    n = len(y)
+    loss = float(-np.log(prob[np.arange(n), y] + 1e-12).mean())
+    d = prob.copy()
+    d[np.arange(n), y] -= 1.0
+    d /= np.float32(n)
+    return loss, {"W": (x.T @ d).astype(np.float32), "b": d.sum(axis=0).astype(np.float32)}
+
+
+def batch(x: np.ndarray, y: np.ndarray, step: int, size: int = 64) -> tuple[np.ndarray, ...]:
+    i = (step * size) % (len(x) - size)
+    return x[i : i + size], y[i : i + size]
+
+
+def train(
+    wid: int,
+    servers: list[str],
+    secret: str,
+    steps: int,
+    die_at: int | None,
+    pause: float,
+    dead_after: float,
+) -> dict[str, Any]:
+    """Train softmax regression for ``steps`` clocks; SIGKILL itself at clock ``die_at``.
+
+    Returns the trace of (clock after step, slowest live clock reported, loss, time)."""
+    x, y = data(seed=wid)
+    trace = []
+    with ps.Worker(servers, wid, secret=secret, timeout=30, dead_after=dead_after) as w:
+        start_clock = w.clock
+        w.init(init_params())
+        for _ in range(steps):
+            p = w.pull()
+            loss, g = loss_and_grads(p, *batch(x, y, w.clock + wid))
+            w.push(g)
+            if die_at is not None and w.clock >= die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(pause)
+            c = w.step()
+            trace.append((c, w.last_min_clock, loss, time.time()))
+        counters = w.counters()
+    return {"start_clock": start_clock, "trace": trace, "counters": counters}
+
+
+def launched(w: ps.Worker, steps: int, pause: float) -> dict[str, Any]:
+    """The worker function of ``ps.launch`` in the server-recovery test."""
+    x, y = data(seed=w.worker_id)
+    w.init(init_params())
+    trace = []
+    for _ in range(steps):
+        p = w.pull()
+        loss, g = loss_and_grads(p, *batch(x, y, w.clock + w.worker_id))
+        w.push(g)
+        time.sleep(pause)
+        c = w.step()
+        trace.append((c, loss, time.time()))
+    with w.evaluation() as params:
+        final, _ = loss_and_grads(params, *data(seed=99))
+    return {"trace": trace, "counters": w.counters(), "final": final, "params": params}
