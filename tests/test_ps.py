@@ -332,6 +332,43 @@ def test_errors_are_typed(monkeypatch: pytest.MonkeyPatch) -> None:
         ps.Worker([a], 0)
 
 
+def test_a_standby_on_another_address_takes_over_from_the_checkpoint(tmp_path: Path) -> None:
+    a, b = addr(), addr()
+    kw = {"secret": SECRET, "lr": 0.1, "momentum": 0.9, "checkpoint_dir": tmp_path}
+    first = ps.Server(a, **kw)
+    x, y = ps_workers.data(0)
+    with ps.Worker([a], 0, secret=SECRET, timeout=20, dead_after=1.0) as w:
+        w.init(ps_workers.init_params())
+        for _ in range(5):
+            _, g = ps_workers.loss_and_grads(w.pull(), *ps_workers.batch(x, y, w.clock))
+            w.push(g)
+            w.step()
+        assert first.checkpoint() == 5
+        saved = w.pull()
+        _, g = ps_workers.loss_and_grads(saved, *ps_workers.batch(x, y, w.clock))
+        w.push(g)
+        w.step()  # clock 6 is applied on the first server only: lost with it
+        first.close()
+        standby = ps.Server(b, restore=True, **kw)
+        try:
+            assert standby.restored_step == 5
+            w.replace_server(0, b)
+            assert w.core.servers() == (1, [b])
+            back = w.pull()
+            for k in saved:
+                assert np.array_equal(back[k], saved[k]), "the checkpoint's values, exactly"
+            losses = []
+            for _ in range(20):
+                loss, g = ps_workers.loss_and_grads(w.pull(), *ps_workers.batch(x, y, w.clock))
+                w.push(g)
+                w.step()
+                losses.append(loss)
+            assert w.clock == 26 and standby.stats()["applied_through"] == 26
+            assert np.mean(losses[-5:]) < np.mean(losses[:5])
+        finally:
+            standby.close()
+
+
 def _spawn(ctx: Any, q: Any, *args: Any) -> Any:
     p = ctx.Process(target=_child, args=(q, *args), daemon=True)
     p.start()
