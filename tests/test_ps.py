@@ -6,6 +6,7 @@ as separate processes where it is about failures (kill -9 of a worker, of a serv
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -437,6 +438,41 @@ def test_a_killed_worker_is_dropped_the_others_go_on_and_it_rejoins() -> None:
     live_min = min(dropped_at[0], dropped_at[1])
     assert again["start_clock"] >= live_min, "rejoins at the slowest live clock, not at 0"
     assert len(again["trace"]) == 10
+
+
+def test_a_frozen_worker_is_dropped_and_comes_back_when_it_resumes() -> None:
+    s, dead_after, steps = 1, 1.0, 40
+    a = addr()
+    srv = ps.Server(a, secret=SECRET, staleness=s, num_workers=2, lr=0.02, dead_after=dead_after)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        _spawn(ctx, q, "w0", 0, [a], SECRET, steps, None, 0.01, dead_after),
+        _spawn(ctx, q, "w1", 1, [a], SECRET, steps, None, 0.0, dead_after, 3),
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if any(w == 1 and not live for w, _, live in srv.clocks()):
+                break
+            time.sleep(0.05)
+        frozen_at = {w: c for w, c, _ in srv.clocks()}
+        assert not next(live for w, _, live in srv.clocks() if w == 1), "dropped while frozen"
+        time.sleep(0.5)
+        assert dict((w, c) for w, c, _ in srv.clocks())[0] > frozen_at[0], "worker 0 goes on"
+        os.kill(procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
+        res = _collect(q, {"w0", "w1"}, timeout=40)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        srv.close()
+    tr1 = [c for c, *_ in res["w1"]["trace"]]
+    assert len(tr1) == steps
+    jumps = [b - a for a, b in itertools.pairwise(tr1)]
+    assert max(jumps) > 1, "on its return it rejoined at the slowest live clock"
+    assert res["w1"]["counters"][1] >= 1, "it reconnected (the server had closed on it)"
 
 
 def _kill_server_when_checkpointed(ckpt: Path, slot: int, killed: list[float]) -> None:
