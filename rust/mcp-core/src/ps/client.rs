@@ -389,8 +389,9 @@ impl PsClient {
                 // SAFETY: `buf` is the caller's piece of its destination, exclusively ours
                 // for the duration of the operation (see `pull`).
                 let dst = unsafe { buf.slice_mut(0..buf.len()) };
-                net::read_data(&mut recv, dst).await?;
-                head.verify(dst)?;
+                let mut crc = head.crc_start();
+                net::read_data_crc(&mut recv, dst, &mut crc).await?;
+                head.check_crc(crc)?;
             }
             (Reply::Clock { .. }, Sink::Parts(parts)) => {
                 let want: u64 = parts.iter().map(|p| p.len() as u64).sum();
@@ -400,15 +401,14 @@ impl PsClient {
                         head.data_len()
                     )));
                 }
-                let mut views = Vec::with_capacity(parts.len());
+                let mut crc = head.crc_start();
                 for p in &parts {
                     // SAFETY: each part is a disjoint range of the caller's destinations,
                     // exclusively ours for the duration of the operation (see `step_all`).
                     let dst = unsafe { p.slice_mut(0..p.len()) };
-                    net::read_data(&mut recv, dst).await?;
-                    views.push(&*dst);
+                    net::read_data_crc(&mut recv, dst, &mut crc).await?;
                 }
-                head.verify_parts(&views)?;
+                head.check_crc(crc)?;
             }
             _ => {
                 if head.data_len() != 0 {
