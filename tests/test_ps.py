@@ -319,11 +319,11 @@ def test_errors_are_typed(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(mcp.PeerLostError):
         ps.Worker([addr()], 0, secret=SECRET, timeout=2)
     assert time.monotonic() - t0 < 6
-    b = addr()
-    lonely = ps.Server(b, secret=SECRET, num_workers=2, register_timeout=1.0)
+    # close() released the socket: the same address can be served again
+    lonely = ps.Server(a, secret=SECRET, num_workers=2, register_timeout=1.0)
     try:
         with pytest.raises(mcp.MCPTimeoutError, match="1 of 2 workers"):
-            ps.Worker([b], 0, secret=SECRET, timeout=5)
+            ps.Worker([a], 0, secret=SECRET, timeout=5)
     finally:
         lonely.close()
     with pytest.raises(ValueError):

@@ -75,7 +75,8 @@ struct Inner {
     /// Which connection each worker registered on (a newer one replaces an older one).
     owner: Mutex<HashMap<u32, u64>>,
     next_conn: AtomicU64,
-    endpoint: Endpoint,
+    /// Taken (and so dropped, releasing the socket) by `close`.
+    endpoint: Mutex<Option<Endpoint>>,
     kill: Arc<AtomicBool>,
     chaos: Option<Arc<ChaosStats>>,
     closing: AtomicBool,
@@ -126,7 +127,7 @@ impl PsServer {
             expect: AtomicUsize::new(cfg.num_workers),
             owner: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
-            endpoint: b.endpoint,
+            endpoint: Mutex::new(Some(b.endpoint)),
             kill: b.kill,
             chaos: b.chaos,
             closing: AtomicBool::new(false),
@@ -140,13 +141,29 @@ impl PsServer {
         if let Some((applied, pieces, workers)) = restore {
             server.restore(applied, pieces, workers)?;
         }
-        tokio::spawn(accept_loop(server.inner.clone()));
+        let ep = server
+            .inner
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(ep) = ep {
+            tokio::spawn(accept_loop(server.inner.clone(), ep));
+        }
         Ok(server)
     }
 
     /// The address it listens on.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.inner.endpoint.local_addr()?)
+        let ep = self
+            .inner
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match ep.as_ref() {
+            Some(e) => Ok(e.local_addr()?),
+            None => Err(Error::Closed("the parameter server is closed".into())),
+        }
     }
 
     /// Every piece with its optimizer state, the clock below which every clock was applied
@@ -223,17 +240,27 @@ impl PsServer {
         self.inner.closing.load(Ordering::Acquire)
     }
 
-    /// Stops serving: closes every connection and the endpoint.
+    /// Stops serving: closes every connection and the endpoint, and releases the socket.
     pub async fn close(&self) {
         if self.inner.closing.swap(true, Ordering::AcqRel) {
             return;
         }
-        self.inner.endpoint.close(
-            VarInt::from_u32(close_code::GOODBYE),
-            b"parameter server closed",
-        );
+        let ep = self
+            .inner
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         self.inner.bump();
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
+        if let Some(ep) = ep {
+            ep.close(
+                VarInt::from_u32(close_code::GOODBYE),
+                b"parameter server closed",
+            );
+            let _ = tokio::time::timeout(Duration::from_secs(2), ep.wait_idle()).await;
+            // Dropping the last handle (the accept loop's ends with the endpoint) frees the
+            // socket: the address can be served again.
+        }
     }
 }
 
@@ -272,8 +299,8 @@ fn stats(inner: &Inner) -> Vec<(String, u64)> {
     v.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
 }
 
-async fn accept_loop(inner: Arc<Inner>) {
-    while let Some(incoming) = inner.endpoint.accept().await {
+async fn accept_loop(inner: Arc<Inner>, endpoint: Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
         let inner = inner.clone();
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else {
