@@ -217,7 +217,7 @@ def main() -> int:
     p.add_argument("--sizes", default="0.25,4", help="parameter sizes in MiB")
     p.add_argument("--step-mib", type=float, default=1.0, help="size for the step-time table")
     args = p.parse_args()
-    sizes = [float(x) for x in args.sizes.split(",")]
+    sizes = [float(x) for x in args.sizes.split(",") if x]
     backends: list[tuple[str, Any, str]] = [
         ("mcp_fast", run_mcp, "none"),
         ("mcp_fast int8 push", run_mcp, "int8"),

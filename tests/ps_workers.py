@@ -60,8 +60,10 @@ def train(
     die_at: int | None,
     pause: float,
     dead_after: float,
+    freeze_at: int | None = None,
 ) -> dict[str, Any]:
-    """Train softmax regression for ``steps`` clocks; SIGKILL itself at clock ``die_at``.
+    """Train softmax regression for ``steps`` clocks; SIGKILL itself at clock ``die_at``,
+    SIGSTOP itself at clock ``freeze_at`` (until someone sends SIGCONT).
 
     Returns the trace of (clock after step, slowest live clock reported, loss, time)."""
     x, y = data(seed=wid)
@@ -75,6 +77,8 @@ def train(
             w.push(g)
             if die_at is not None and w.clock >= die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if freeze_at is not None and w.clock == freeze_at:
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(pause)
             c = w.step()
             trace.append((c, w.last_min_clock, loss, time.time()))

@@ -6,6 +6,7 @@ as separate processes where it is about failures (kill -9 of a worker, of a serv
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -318,11 +319,11 @@ def test_errors_are_typed(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(mcp.PeerLostError):
         ps.Worker([addr()], 0, secret=SECRET, timeout=2)
     assert time.monotonic() - t0 < 6
-    b = addr()
-    lonely = ps.Server(b, secret=SECRET, num_workers=2, register_timeout=1.0)
+    # close() released the socket: the same address can be served again
+    lonely = ps.Server(a, secret=SECRET, num_workers=2, register_timeout=1.0)
     try:
         with pytest.raises(mcp.MCPTimeoutError, match="1 of 2 workers"):
-            ps.Worker([b], 0, secret=SECRET, timeout=5)
+            ps.Worker([a], 0, secret=SECRET, timeout=5)
     finally:
         lonely.close()
     with pytest.raises(ValueError):
@@ -330,6 +331,43 @@ def test_errors_are_typed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MCP_SECRET", raising=False)
     with pytest.raises(ValueError, match="secret"):
         ps.Worker([a], 0)
+
+
+def test_a_standby_on_another_address_takes_over_from_the_checkpoint(tmp_path: Path) -> None:
+    a, b = addr(), addr()
+    kw = {"secret": SECRET, "lr": 0.1, "momentum": 0.9, "checkpoint_dir": tmp_path}
+    first = ps.Server(a, **kw)
+    x, y = ps_workers.data(0)
+    with ps.Worker([a], 0, secret=SECRET, timeout=20, dead_after=1.0) as w:
+        w.init(ps_workers.init_params())
+        for _ in range(5):
+            _, g = ps_workers.loss_and_grads(w.pull(), *ps_workers.batch(x, y, w.clock))
+            w.push(g)
+            w.step()
+        assert first.checkpoint() == 5
+        saved = w.pull()
+        _, g = ps_workers.loss_and_grads(saved, *ps_workers.batch(x, y, w.clock))
+        w.push(g)
+        w.step()  # clock 6 is applied on the first server only: lost with it
+        first.close()
+        standby = ps.Server(b, restore=True, **kw)
+        try:
+            assert standby.restored_step == 5
+            w.replace_server(0, b)
+            assert w.core.servers() == (1, [b])
+            back = w.pull()
+            for k in saved:
+                assert np.array_equal(back[k], saved[k]), "the checkpoint's values, exactly"
+            losses = []
+            for _ in range(20):
+                loss, g = ps_workers.loss_and_grads(w.pull(), *ps_workers.batch(x, y, w.clock))
+                w.push(g)
+                w.step()
+                losses.append(loss)
+            assert w.clock == 26 and standby.stats()["applied_through"] == 26
+            assert np.mean(losses[-5:]) < np.mean(losses[:5])
+        finally:
+            standby.close()
 
 
 def _spawn(ctx: Any, q: Any, *args: Any) -> Any:
@@ -400,6 +438,41 @@ def test_a_killed_worker_is_dropped_the_others_go_on_and_it_rejoins() -> None:
     live_min = min(dropped_at[0], dropped_at[1])
     assert again["start_clock"] >= live_min, "rejoins at the slowest live clock, not at 0"
     assert len(again["trace"]) == 10
+
+
+def test_a_frozen_worker_is_dropped_and_comes_back_when_it_resumes() -> None:
+    s, dead_after, steps = 1, 1.0, 40
+    a = addr()
+    srv = ps.Server(a, secret=SECRET, staleness=s, num_workers=2, lr=0.02, dead_after=dead_after)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        _spawn(ctx, q, "w0", 0, [a], SECRET, steps, None, 0.01, dead_after),
+        _spawn(ctx, q, "w1", 1, [a], SECRET, steps, None, 0.0, dead_after, 3),
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if any(w == 1 and not live for w, _, live in srv.clocks()):
+                break
+            time.sleep(0.05)
+        frozen_at = {w: c for w, c, _ in srv.clocks()}
+        assert not next(live for w, _, live in srv.clocks() if w == 1), "dropped while frozen"
+        time.sleep(0.5)
+        assert dict((w, c) for w, c, _ in srv.clocks())[0] > frozen_at[0], "worker 0 goes on"
+        os.kill(procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
+        res = _collect(q, {"w0", "w1"}, timeout=40)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        srv.close()
+    tr1 = [c for c, *_ in res["w1"]["trace"]]
+    assert len(tr1) == steps
+    jumps = [b - a for a, b in itertools.pairwise(tr1)]
+    assert max(jumps) > 1, "on its return it rejoined at the slowest live clock"
+    assert res["w1"]["counters"][1] >= 1, "it reconnected (the server had closed on it)"
 
 
 def _kill_server_when_checkpointed(ckpt: Path, slot: int, killed: list[float]) -> None:

@@ -40,7 +40,9 @@ cut off) is dropped from the minimum, so the others go on; it can rejoin (a new 
 with the same id), at the slowest live clock. A server saves its shard with the delta
 checkpointer (``checkpoint_dir``, every ``checkpoint_every`` seconds); a standby started with
 ``restore=True`` on the same address (``launch`` does it) reloads the latest checkpoint, and
-the workers reconnect with backoff (0.5 s doubling to 5 s, jitter) and carry on. What is lost
+the workers reconnect with backoff (0.5 s doubling to 5 s, jitter) and carry on; the workers
+live at the checkpoint hold the standby's staleness minimum until they have registered again
+(or ``2 * dead_after + 6`` s have passed). What is lost
 is stated in the README: every update that server applied after its last checkpoint, and the
 gradients pushed to it for clocks it had not yet applied.
 """
@@ -191,7 +193,7 @@ class Server:
         """``host:port`` it listens on."""
         return self.core.local_addr
 
-    def _load(self) -> tuple[int, list[Any]] | None:
+    def _load(self) -> tuple[int, list[Any], list[int]] | None:
         """The latest checkpoint as the core's restore argument, or None."""
         assert self._ckpt is not None
         if not self._ckpt.steps():
@@ -211,20 +213,21 @@ class Server:
                     int(p["updates"]),
                 )
             )
-        return int(state["applied"]), pieces
+        return int(state["applied"]), pieces, [int(w) for w in state.get("workers", [])]
 
     def checkpoint(self) -> int | None:
         """Saves the shard if anything was applied since the last save; returns the step
         (the applied clock) saved, or None."""
         if self._ckpt is None:
             return None
-        applied, pieces = self.core.snapshot()
+        applied, pieces, workers = self.core.snapshot()
         if self._last_saved is not None and applied <= self._last_saved:
             return None
         if not pieces:
             return None
         state = {
             "applied": applied,
+            "workers": list(workers),
             "pieces": {
                 f"{key}@{off}": {
                     "params": np.frombuffer(params, np.float32),

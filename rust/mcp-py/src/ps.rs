@@ -153,10 +153,10 @@ impl PsServer {
         dead_after: f64,
         register_timeout: f64,
         chaos: Option<&str>,
-        restore: Option<(u64, Vec<PieceTuple>)>,
+        restore: Option<(u64, Vec<PieceTuple>, Vec<u32>)>,
     ) -> PyResult<PsServer> {
         let restore = restore
-            .map(|(applied, pieces)| pieces_of(pieces).map(|p| (applied, p)))
+            .map(|(applied, pieces, workers)| pieces_of(pieces).map(|p| (applied, p, workers)))
             .transpose()?;
         let opt = Optimizer::from_name(optimizer, lr, momentum, weight_decay, nesterov, betas, eps)
             .map_err(|e| to_py(py, e))?;
@@ -193,7 +193,7 @@ impl PsServer {
             .map_err(|e| to_py(py, e))
     }
 
-    /// (applied clock, pieces): one consistent cut of everything the server holds.
+    /// (applied clock, pieces, live workers): one consistent cut of what the server holds.
     #[allow(clippy::type_complexity)]
     fn snapshot<'py>(
         &self,
@@ -208,8 +208,9 @@ impl PsServer {
             (u64, f64, f64),
             u64,
         )>,
+        Vec<u32>,
     ) {
-        let (applied, pieces) = py.detach(|| self.inner.snapshot());
+        let (applied, pieces, workers) = py.detach(|| self.inner.snapshot());
         let out = pieces
             .into_iter()
             .map(|((k, off), p)| {
@@ -229,14 +230,21 @@ impl PsServer {
                 )
             })
             .collect();
-        (applied, out)
+        (applied, out, workers)
     }
 
     /// Replaces what the server holds by a snapshot (as [`PsServer::snapshot`] returns,
     /// with bytes); workers register again as they reconnect.
-    fn restore(&self, py: Python<'_>, applied: u64, pieces: Vec<PieceTuple>) -> PyResult<()> {
+    fn restore(
+        &self,
+        py: Python<'_>,
+        applied: u64,
+        pieces: Vec<PieceTuple>,
+        workers: Vec<u32>,
+    ) -> PyResult<()> {
         let out = pieces_of(pieces)?;
-        py.detach(|| self.inner.restore(applied, out))
+        let rt = runtime(py)?;
+        py.detach(|| rt.block_on(async { self.inner.restore(applied, out, workers) }))
             .map_err(|e| to_py(py, e))
     }
 

@@ -389,8 +389,9 @@ impl PsClient {
                 // SAFETY: `buf` is the caller's piece of its destination, exclusively ours
                 // for the duration of the operation (see `pull`).
                 let dst = unsafe { buf.slice_mut(0..buf.len()) };
-                net::read_data(&mut recv, dst).await?;
-                head.verify(dst)?;
+                let mut crc = head.crc_start();
+                net::read_data_crc(&mut recv, dst, &mut crc).await?;
+                head.check_crc(crc)?;
             }
             (Reply::Clock { .. }, Sink::Parts(parts)) => {
                 let want: u64 = parts.iter().map(|p| p.len() as u64).sum();
@@ -400,15 +401,14 @@ impl PsClient {
                         head.data_len()
                     )));
                 }
-                let mut views = Vec::with_capacity(parts.len());
+                let mut crc = head.crc_start();
                 for p in &parts {
                     // SAFETY: each part is a disjoint range of the caller's destinations,
                     // exclusively ours for the duration of the operation (see `step_all`).
                     let dst = unsafe { p.slice_mut(0..p.len()) };
-                    net::read_data(&mut recv, dst).await?;
-                    views.push(&*dst);
+                    net::read_data_crc(&mut recv, dst, &mut crc).await?;
                 }
-                head.verify_parts(&views)?;
+                head.check_crc(crc)?;
             }
             _ => {
                 if head.data_len() != 0 {
@@ -439,18 +439,55 @@ impl PsClient {
         let mut forgotten = 0;
         loop {
             let conn = self.connection(slot, deadline).await?;
-            let r = self
-                .exchange(&conn, slot, id, &req, codec, numel, data.clone(), sink())
-                .await;
+            // Bounded even if a server stops answering on a live connection; a server holds
+            // an `Advance` at most until the deadline, so allow it a little beyond.
+            let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
+            let r = match tokio::time::timeout(
+                left,
+                self.exchange(&conn, slot, id, &req, codec, numel, data.clone(), sink()),
+            )
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(Error::Timeout {
+                    what: format!("{} on parameter server {slot}: no answer", req.name()),
+                    after: left,
+                }),
+            };
             let retry = match r {
                 Ok(Reply::Error {
                     code: ErrorCode::NotLive,
                     ..
                 }) if forgotten < 5 => {
-                    // The server forgot us (restored, or dropped us as dead): register again.
+                    // The server forgot us (restored, or dropped us as dead): register again
+                    // on this connection (other requests may be using it) and retry.
                     forgotten += 1;
-                    conn.close(VarInt::from_u32(0), b"re-register");
                     self.retries.fetch_add(1, Ordering::Relaxed);
+                    let reg = Request::Register {
+                        clock: self.clock(),
+                    };
+                    let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    match self
+                        .exchange(
+                            &conn,
+                            slot,
+                            rid,
+                            &reg,
+                            Codec::None,
+                            0,
+                            Bytes::new(),
+                            Sink::None,
+                        )
+                        .await
+                    {
+                        Ok(Reply::Clock { clock, .. }) => {
+                            self.clock.fetch_max(clock, Ordering::AcqRel);
+                        }
+                        Ok(Reply::Error { code, message }) => {
+                            return Err(Reply::into_error(code, message, &format!("{slot}")))
+                        }
+                        _ => {}
+                    }
                     continue;
                 }
                 Ok(Reply::Error { code, message }) => {
@@ -462,6 +499,9 @@ impl PsClient {
                 }
                 Ok(rep) => return Ok(rep),
                 Err(e @ Error::PeerLost { .. }) => e,
+                // Our side closed the connection (the server was replaced): retry, unless
+                // the worker itself is closing.
+                Err(e @ Error::Closed(_)) if !self.closed.load(Ordering::Acquire) => e,
                 Err(e) => return Err(e),
             };
             self.retries.fetch_add(1, Ordering::Relaxed);

@@ -97,6 +97,22 @@ impl Head {
         self.header.spec.shape.first().copied().unwrap_or(0)
     }
 
+    /// The CRC of the metadata: where a running CRC of the data section starts.
+    pub fn crc_start(&self) -> u32 {
+        crc32c::crc32c(&self.meta)
+    }
+
+    /// Checks a running CRC ([`read_data_crc`]) of the whole data section.
+    pub fn check_crc(&self, crc: u32) -> Result<()> {
+        if crc != self.header.payload_crc {
+            return Err(Error::Protocol(format!(
+                "parameter-server message {} from {} failed its checksum (corrupted in transit or in memory)",
+                self.header.seq, self.header.src
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks the payload CRC once `data` (the data section) has been read.
     pub fn verify(&self, data: &[u8]) -> Result<()> {
         self.verify_parts(&[data])
@@ -213,12 +229,18 @@ pub(crate) async fn read_head(recv: &mut RecvStream, expect: FrameKind) -> Resul
     Ok(Head { header, meta })
 }
 
-/// Reads exactly `dst.len()` bytes of data section into `dst`.
-pub(crate) async fn read_data(recv: &mut RecvStream, dst: &mut [u8]) -> Result<()> {
+/// Reads exactly `dst.len()` bytes of data section into `dst`, extending the running CRC
+/// `crc` with each piece while it is in cache.
+pub(crate) async fn read_data_crc(
+    recv: &mut RecvStream,
+    dst: &mut [u8],
+    crc: &mut u32,
+) -> Result<()> {
     let mut at = 0;
     while at < dst.len() {
         match recv.read_chunk(dst.len() - at, true).await {
             Ok(Some(c)) => {
+                *crc = crc32c::crc32c_append(*crc, &c.bytes);
                 dst[at..at + c.bytes.len()].copy_from_slice(&c.bytes);
                 at += c.bytes.len();
             }
@@ -248,13 +270,14 @@ pub(crate) async fn read_f32(recv: &mut RecvStream, head: &Head) -> Result<Vec<f
                 "{bytes} bytes of data for {n} float32 elements"
             )));
         }
-        let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
-        read_data(recv, dst).await?;
-        head.verify(dst)?;
+        let mut crc = head.crc_start();
+        read_data_crc(recv, bytemuck::cast_slice_mut(&mut out), &mut crc).await?;
+        head.check_crc(crc)?;
     } else {
         let mut enc = vec![0u8; bytes as usize];
-        read_data(recv, &mut enc).await?;
-        head.verify(&enc)?;
+        let mut crc = head.crc_start();
+        read_data_crc(recv, &mut enc, &mut crc).await?;
+        head.check_crc(crc)?;
         crate::codec::decode(
             head.header.spec.codec,
             DType::F32,

@@ -75,7 +75,8 @@ struct Inner {
     /// Which connection each worker registered on (a newer one replaces an older one).
     owner: Mutex<HashMap<u32, u64>>,
     next_conn: AtomicU64,
-    endpoint: Endpoint,
+    /// Taken (and so dropped, releasing the socket) by `close`.
+    endpoint: Mutex<Option<Endpoint>>,
     kill: Arc<AtomicBool>,
     chaos: Option<Arc<ChaosStats>>,
     closing: AtomicBool,
@@ -112,7 +113,7 @@ impl PsServer {
     #[allow(clippy::type_complexity)]
     pub async fn start_with(
         cfg: ServerConfig,
-        restore: Option<(u64, Vec<(PieceId, Piece)>)>,
+        restore: Option<(u64, Vec<(PieceId, Piece)>, Vec<u32>)>,
     ) -> Result<PsServer> {
         if cfg.num_workers == 0 {
             return Err(Error::InvalidArgument(
@@ -126,7 +127,7 @@ impl PsServer {
             expect: AtomicUsize::new(cfg.num_workers),
             owner: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
-            endpoint: b.endpoint,
+            endpoint: Mutex::new(Some(b.endpoint)),
             kill: b.kill,
             chaos: b.chaos,
             closing: AtomicBool::new(false),
@@ -137,31 +138,78 @@ impl PsServer {
             cfg,
         });
         let server = PsServer { inner };
-        if let Some((applied, pieces)) = restore {
-            server.restore(applied, pieces)?;
+        if let Some((applied, pieces, workers)) = restore {
+            server.restore(applied, pieces, workers)?;
         }
-        tokio::spawn(accept_loop(server.inner.clone()));
+        let ep = server
+            .inner
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(ep) = ep {
+            tokio::spawn(accept_loop(server.inner.clone(), ep));
+        }
         Ok(server)
     }
 
     /// The address it listens on.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.inner.endpoint.local_addr()?)
+        let ep = self
+            .inner
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match ep.as_ref() {
+            Some(e) => Ok(e.local_addr()?),
+            None => Err(Error::Closed("the parameter server is closed".into())),
+        }
     }
 
-    /// Every piece with its optimizer state, and the clock below which every clock was
-    /// applied when it was taken: one consistent cut, for a checkpoint.
-    pub fn snapshot(&self) -> (u64, Vec<(PieceId, Piece)>) {
+    /// Every piece with its optimizer state, the clock below which every clock was applied
+    /// and the live workers, when it was taken: one consistent cut, for a checkpoint.
+    #[allow(clippy::type_complexity)]
+    pub fn snapshot(&self) -> (u64, Vec<(PieceId, Piece)>, Vec<u32>) {
         let s = self.inner.store();
-        (s.applied_through(), s.snapshot())
+        let live = s
+            .clocks()
+            .entries()
+            .into_iter()
+            .filter(|e| e.2)
+            .map(|e| e.0)
+            .collect();
+        (s.applied_through(), s.snapshot(), live)
     }
 
-    /// Replaces the pieces by a checkpoint's (see [`Store::restore`]). Workers register again
-    /// as they reconnect; `Register` then waits at most `2 x dead_after` for the others.
-    pub fn restore(&self, applied: u64, pieces: Vec<(PieceId, Piece)>) -> Result<()> {
-        self.inner.store().restore(applied, pieces)?;
+    /// Replaces the pieces by a checkpoint's (see [`Store::restore`]). The workers live at
+    /// the checkpoint count in the staleness minimum (at the checkpoint's clock) until they
+    /// register again; those that have not within `2 x dead_after + 6 s` (the backoff's cap
+    /// and a handshake) are dropped. Must run inside a tokio runtime.
+    pub fn restore(
+        &self,
+        applied: u64,
+        pieces: Vec<(PieceId, Piece)>,
+        workers: Vec<u32>,
+    ) -> Result<()> {
+        self.inner.store().restore(applied, pieces, &workers)?;
         self.inner.expect.store(0, Ordering::Release);
         self.inner.bump();
+        let inner = self.inner.clone();
+        let grace = self.inner.cfg.dead_after * 2 + Duration::from_secs(6);
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            let gone: Vec<u32> = {
+                let owner = inner.owner.lock().unwrap_or_else(|p| p.into_inner());
+                workers
+                    .into_iter()
+                    .filter(|w| !owner.contains_key(w))
+                    .collect()
+            };
+            for w in gone {
+                let _ = inner.store().drop_worker(w);
+            }
+            inner.bump();
+        });
         Ok(())
     }
 
@@ -192,17 +240,27 @@ impl PsServer {
         self.inner.closing.load(Ordering::Acquire)
     }
 
-    /// Stops serving: closes every connection and the endpoint.
+    /// Stops serving: closes every connection and the endpoint, and releases the socket.
     pub async fn close(&self) {
         if self.inner.closing.swap(true, Ordering::AcqRel) {
             return;
         }
-        self.inner.endpoint.close(
-            VarInt::from_u32(close_code::GOODBYE),
-            b"parameter server closed",
-        );
+        let ep = self
+            .inner
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         self.inner.bump();
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
+        if let Some(ep) = ep {
+            ep.close(
+                VarInt::from_u32(close_code::GOODBYE),
+                b"parameter server closed",
+            );
+            let _ = tokio::time::timeout(Duration::from_secs(2), ep.wait_idle()).await;
+            // Dropping the last handle (the accept loop's ends with the endpoint) frees the
+            // socket: the address can be served again.
+        }
     }
 }
 
@@ -241,8 +299,8 @@ fn stats(inner: &Inner) -> Vec<(String, u64)> {
     v.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
 }
 
-async fn accept_loop(inner: Arc<Inner>) {
-    while let Some(incoming) = inner.endpoint.accept().await {
+async fn accept_loop(inner: Arc<Inner>, endpoint: Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
         let inner = inner.clone();
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else {
@@ -508,22 +566,35 @@ async fn answer(
                     head.data_len()
                 )));
             }
-            let mut data = vec![0u8; total as usize];
-            net::read_data(recv, &mut data).await?;
-            head.verify(&data)?;
+            // Each push straight into its own buffer, the CRC computed on the way.
             let codec = head.header.spec.codec;
+            let mut crc = head.crc_start();
             let mut grads = Vec::with_capacity(pushes.len());
-            let mut at = 0usize;
             for (key, offset, numel, nbytes) in pushes {
-                let enc = &data[at..at + nbytes as usize];
-                at += nbytes as usize;
-                let g = net::decode_f32(codec, enc, numel)?;
-                if g.iter().any(|x| !x.is_finite()) {
-                    return Err(Error::InvalidArgument(format!(
-                        "the gradient pushed for {key:?}[{offset}..] holds NaN or Inf; refused"
-                    )));
-                }
+                let g = if codec == Codec::None {
+                    if nbytes != numel * 4 || numel > net::MAX_DATA / 4 {
+                        return Err(Error::Protocol(format!(
+                            "{nbytes} bytes for {numel} float32 elements"
+                        )));
+                    }
+                    let mut g = vec![0f32; numel as usize];
+                    net::read_data_crc(recv, bytemuck::cast_slice_mut(&mut g), &mut crc).await?;
+                    g
+                } else {
+                    let mut enc = vec![0u8; nbytes as usize];
+                    net::read_data_crc(recv, &mut enc, &mut crc).await?;
+                    net::decode_f32(codec, &enc, numel)?
+                };
                 grads.push((key, offset, g));
+            }
+            head.check_crc(crc)?;
+            if let Some((key, offset, _)) = grads
+                .iter()
+                .find(|(_, _, g)| g.iter().any(|x| !x.is_finite()))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "the gradient pushed for {key:?}[{offset}..] holds NaN or Inf; refused"
+                )));
             }
             {
                 let mut s = inner.store();

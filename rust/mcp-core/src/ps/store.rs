@@ -263,9 +263,15 @@ impl Store {
     }
 
     /// Replaces the pieces by those of a checkpoint taken when every clock below `applied`
-    /// had been applied. Pending gradients and the clock table start empty: workers register
-    /// again when they reconnect.
-    pub fn restore(&mut self, applied: u64, pieces: Vec<(PieceId, Piece)>) -> Result<()> {
+    /// had been applied. Pending gradients are gone; the clock table holds `workers` (those
+    /// live at the checkpoint) at clock `applied` until they register again, so that the
+    /// staleness bound still counts them while they reconnect.
+    pub fn restore(
+        &mut self,
+        applied: u64,
+        pieces: Vec<(PieceId, Piece)>,
+        workers: &[u32],
+    ) -> Result<()> {
         for (id, p) in &pieces {
             let fresh = self.optimizer.new_state(p.params.len());
             if std::mem::discriminant(&fresh) != std::mem::discriminant(&p.state) {
@@ -279,6 +285,9 @@ impl Store {
         self.pending.clear();
         self.applied = applied;
         self.clocks = ClockTable::new();
+        for &w in workers {
+            self.clocks.register(w, applied);
+        }
         Ok(())
     }
 
@@ -386,11 +395,12 @@ mod tests {
         s.advance(0, 1).expect("adv");
         let snap = s.snapshot();
         let mut t = Store::new(sgd(0.1, 0.9), Aggregate::Mean, 0);
-        t.restore(s.applied_through(), snap.clone())
+        t.restore(s.applied_through(), snap.clone(), &[0, 3])
             .expect("restore");
         assert_eq!(t.snapshot(), snap);
         assert_eq!(t.applied_through(), 1);
+        assert_eq!(t.clocks().entries(), vec![(0, 1, true), (3, 1, true)]);
         let mut u = Store::new(Optimizer::Adam(Default::default()), Aggregate::Mean, 0);
-        assert!(u.restore(1, snap).is_err());
+        assert!(u.restore(1, snap, &[]).is_err());
     }
 }
