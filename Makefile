@@ -64,6 +64,7 @@ test: lint rust-test py-test
 bench: $(BUILT)
 	$(PY) -m pytest benches --benchmark-enable --benchmark-columns=min,median,mean,ops
 	$(PY) benches/compare_gloo.py
+	$(PY) benches/bench_ps.py
 
 clean:
 	rm -rf target $(VENV) dist .pytest_cache .ruff_cache
