@@ -270,6 +270,10 @@ def test_pushes_with_a_codec_are_decoded_within_its_bound(codec: str, tol: float
             w.step()
             got = -w.pull()["x"]
             assert pushed < 5000 * 4 * 0.6, f"the push travelled coded ({pushed} bytes)"
+            # the fused step codes its pushes the same way
+            into = {"x": np.empty(5000, np.float32)}
+            w.step({"x": g}, into=into)
+            np.testing.assert_allclose(-into["x"] - got, g, rtol=2 * tol, atol=1e-7)
     finally:
         srv.close()
     assert not np.array_equal(got, g), "a lossy codec changes the bits"
