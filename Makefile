@@ -71,6 +71,7 @@ bench: $(BUILT) $(BENCH_STAMP)
 	$(PY) benches/compare_gloo.py
 	$(PY) benches/delta_vs_zipnn.py
 	$(PY) benches/bench_failure_detection.py --runs 20
+	$(PY) benches/bench_ps.py
 
 clean:
 	rm -rf target $(VENV) dist .pytest_cache .ruff_cache

@@ -171,6 +171,44 @@ def test_s0_is_bit_exact_against_a_single_process_reference(name: str, fused: bo
     assert not np.array_equal(p["W"], p0["W"]), "training moved the weights"
 
 
+def test_training_through_packet_loss_stays_exact() -> None:
+    """10 % of the datagrams dropped both ways (the fault injector under QUIC): QUIC
+    retransmits, the result is bit for bit the loss-free one."""
+    a = addr()
+    srv = ps.Server(a, secret=SECRET, staleness=0, num_workers=2, lr=0.1, chaos="loss=0.1,seed=2")
+    p0 = ps_workers.init_params()
+
+    def worker(wid: int) -> dict[str, np.ndarray]:
+        x, y = ps_workers.data(wid)
+        chaos = mcp.Chaos(loss=0.1, seed=10 + wid)
+        with ps.Worker([a], wid, secret=SECRET, timeout=30, chaos=chaos) as w:
+            w.init(p0)
+            p = w.pull()
+            for t in range(6):
+                _, g = ps_workers.loss_and_grads(p, *ps_workers.batch(x, y, t))
+                w.step(g, into=p)
+            return p
+
+    try:
+        got = run_threads([lambda i=i: worker(i) for i in range(2)])
+        dropped = srv.stats()["chaos_send_dropped"]
+    finally:
+        srv.close()
+    assert dropped > 0, "the fault injector dropped nothing"
+    # the loss-free reference: SGD, momentum 0.9, mean of the two workers' gradients
+    p = {k: v.copy() for k, v in p0.items()}
+    buf = {k: np.zeros_like(v) for k, v in p.items()}
+    data = [ps_workers.data(w) for w in range(2)]
+    for t in range(6):
+        gs = [ps_workers.loss_and_grads(p, *ps_workers.batch(*data[w], t))[1] for w in range(2)]
+        for k in p:
+            buf[k] = np.float32(0.9) * buf[k] + (gs[0][k] + gs[1][k]) / np.float32(2)
+            p[k] = p[k] - np.float32(0.1) * buf[k]
+    for r in got:
+        for k in p:
+            assert np.array_equal(r[k], p[k]), k
+
+
 def test_the_staleness_bound_is_never_exceeded_with_a_slow_worker() -> None:
     s, steps = 2, 30
     a = addr()
@@ -270,6 +308,10 @@ def test_pushes_with_a_codec_are_decoded_within_its_bound(codec: str, tol: float
             w.step()
             got = -w.pull()["x"]
             assert pushed < 5000 * 4 * 0.6, f"the push travelled coded ({pushed} bytes)"
+            # the fused step codes its pushes the same way
+            into = {"x": np.empty(5000, np.float32)}
+            w.step({"x": g}, into=into)
+            np.testing.assert_allclose(-into["x"] - got, g, rtol=2 * tol, atol=1e-7)
     finally:
         srv.close()
     assert not np.array_equal(got, g), "a lossy codec changes the bits"

@@ -131,3 +131,44 @@ async fn a_worker_without_the_secret_is_refused() {
     );
     s.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_worker_registers_again_on_its_connection() {
+    let s = server(1).await;
+    let addr = s.local_addr().expect("addr");
+    let a = PsClient::connect(client(vec![addr], 0, SECRET))
+        .await
+        .expect("a");
+    a.set_tensors(&[("x".to_string(), 8)]).expect("map");
+    let mut init = bytes(&[0.0; 8]);
+    // SAFETY: `init` outlives the awaited calls and nothing else touches it.
+    let ib = unsafe { RawBuf::from_slice(&mut init) };
+    a.init_all(vec![("x".into(), ib)]).await.expect("init");
+    // Another process takes worker id 0 and leaves: the server drops worker 0.
+    let b = PsClient::connect(client(vec![addr], 0, SECRET))
+        .await
+        .expect("b");
+    b.close().await;
+    assert_eq!(s.clocks(), vec![(0, 0, false)]);
+    // `a` is told it is not live, registers again on the same connection and goes on.
+    let mut grad = bytes(&[2.0; 8]);
+    // SAFETY: as above.
+    let gb = unsafe { RawBuf::from_slice(&mut grad) };
+    a.push_all(vec![("x".into(), gb)], Codec::None)
+        .await
+        .expect("push");
+    assert_eq!(a.advance(None).await.expect("advance").clock, 1);
+    assert!(
+        a.counters().0 >= 1,
+        "the push was retried after registering again"
+    );
+    assert_eq!(a.counters().1, 0, "on the same connection");
+    a.pull_all(vec![("x".into(), ib)]).await.expect("pull");
+    assert!(
+        floats(&init).iter().all(|&x| x == -1.0),
+        "{:?}",
+        floats(&init)
+    );
+    a.close().await;
+    s.close().await;
+}
