@@ -68,7 +68,8 @@ const MAX_MSG: usize = 4 << 20;
 /// Which lane a frame takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LanePolicy {
-    /// Reliable streams, and the FEC lane for large frames once loss is measured on the path.
+    /// Reliable streams, and the FEC lane for large frames once loss is measured on a path
+    /// with a long enough round trip.
     #[default]
     Auto,
     /// Reliable streams only.
@@ -108,6 +109,9 @@ pub struct BulkConfig {
     pub threshold: usize,
     /// See `threshold`.
     pub auto_loss: f64,
+    /// With [`LanePolicy::Auto`]: only paths whose smoothed RTT is at least this long take the
+    /// FEC lane (below it, retransmitting the lost packets is cheaper than coding).
+    pub auto_rtt: Duration,
     /// Data shards per block (fewer for a short payload).
     pub k: u16,
     /// Most payload bytes per shard (fewer when the path's datagrams are smaller).
@@ -122,6 +126,7 @@ impl Default for BulkConfig {
             policy: LanePolicy::Auto,
             threshold: 256 << 10,
             auto_loss: 0.01,
+            auto_rtt: Duration::from_millis(5),
             k: 128,
             // Fits the loopback MTU floor (see endpoint.rs) with QUIC's and our headers.
             max_shard: 15 << 10,
@@ -201,6 +206,11 @@ impl QuicTransport {
             LanePolicy::Fec => true,
             LanePolicy::Auto => {
                 if len < bulk.threshold {
+                    return false;
+                }
+                // On a short path a retransmission costs less than coding every byte: FEC
+                // pays when the round trip is long enough (measured: see the README).
+                if conn.rtt() < bulk.auto_rtt {
                     return false;
                 }
                 let Some(slot) = self.peers.get(peer) else {
@@ -875,4 +885,76 @@ async fn run_transfer(
     .await;
     reader.abort();
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fec::shard::HEADER_LEN;
+
+    #[test]
+    fn blocks_split_the_payload_evenly() {
+        let cfg = BulkConfig::default();
+        for (len, max_dg, want_k) in [
+            (1usize << 20, 65_000usize, 69u16),
+            (1 << 20, 1200, 114),
+            (10 << 20, 65_000, 114),
+            (100, 65_000, 1),
+            (1, 1200, 1),
+        ] {
+            let (k, dg) = block_shape(len, max_dg, cfg).expect("shape");
+            let sb = dg - HEADER_LEN;
+            assert_eq!(k, want_k, "len {len}, datagrams {max_dg}");
+            assert!(dg <= max_dg && sb <= cfg.max_shard, "len {len}: shard {sb}");
+            assert_eq!(sb % 64, 0);
+            let plan = TransferPlan::new(1, len as u64, k, dg).expect("plan");
+            assert_eq!(plan.shard_bytes as usize, sb);
+            // Every block but the last is full, and the last is at least half of one.
+            let last = plan.n_blocks() - 1;
+            let (_, _, k_last) = plan.block_span(last).expect("span");
+            assert!(
+                2 * k_last + 2 >= usize::from(k),
+                "len {len}: last block {k_last} of {k}"
+            );
+        }
+        assert!(block_shape(1000, HEADER_LEN + 1, cfg).is_err());
+    }
+
+    #[test]
+    fn lane_names() {
+        for l in [LanePolicy::Auto, LanePolicy::Stream, LanePolicy::Fec] {
+            assert_eq!(LanePolicy::parse(l.name()), Some(l));
+        }
+        assert_eq!(LanePolicy::parse(" FEC "), Some(LanePolicy::Fec));
+        assert_eq!(LanePolicy::parse("udp"), None);
+    }
+
+    #[test]
+    fn the_stash_and_the_memory_of_finished_transfers_are_bounded() {
+        let mut rx = RxInner::default();
+        let d = Bytes::from(vec![0u8; 1 << 20]);
+        for tid in 0..40u64 {
+            rx.stash(tid, d.clone());
+        }
+        assert!(rx.stash_bytes <= STASH_BYTES);
+        assert_eq!(rx.stash_bytes, 32 << 20);
+        // The oldest went first.
+        assert!(rx.unstash(0).is_empty());
+        assert_eq!(rx.unstash(39).len(), 1);
+        assert_eq!(rx.stash_bytes, 31 << 20);
+        for tid in 0..(STASH_TRANSFERS as u64 + 10) {
+            rx.stash(1000 + tid, Bytes::from_static(b"x"));
+        }
+        assert!(rx.stash_order.len() <= STASH_TRANSFERS);
+        assert_eq!(rx.stash.len(), rx.stash_order.len());
+        for tid in 0..(DONE_MEMORY as u64 + 100) {
+            rx.finish(tid, 0);
+        }
+        assert_eq!(rx.done.len(), DONE_MEMORY);
+        assert!(!rx.done.contains(&0) && rx.done.contains(&(DONE_MEMORY as u64 + 99)));
+        // A finished transfer's stashed shards are dropped with it.
+        rx.stash(5_000_000, Bytes::from_static(b"late"));
+        rx.finish(5_000_000, 0);
+        assert!(!rx.stash.contains_key(&5_000_000));
+    }
 }

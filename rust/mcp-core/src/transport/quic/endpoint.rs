@@ -59,8 +59,10 @@ fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportCon
     t.receive_window(VarInt::from_u32(window));
     t.send_window(u64::from(window) * 4);
     if cfg.congestion == CongestionKind::LossTolerant {
+        // Datagrams have no flow control: the window alone keeps FEC shards from overrunning
+        // the receiver's socket buffer, so it never exceeds what that buffer absorbs.
         t.congestion_controller_factory(Arc::new(LossTolerantConfig {
-            max_window: u64::from(window) * 4,
+            max_window: u64::from(window),
             ..LossTolerantConfig::default()
         }));
     }
