@@ -239,19 +239,14 @@ impl LossTolerantState {
                 self.startup = false;
             }
         }
-        if !self.startup && bw > 0.0 {
-            // quinn paces at window / smoothed RTT, so size the window from the smoothed RTT
-            // as long as no queue builds, and from the minimum RTT once one does.
-            let rtt = if queue { min_rtt } else { srtt.max(min_rtt) };
-            let target = (self.cfg.gain * bw * rtt.as_secs_f64()) as u64;
-            // With a gain above 1 a window-limited path still shows a growing delivery rate,
-            // so the window keeps probing upwards until a queue stands.
-            self.window = if queue {
-                // Drain: never grow while the queue stands.
-                self.clamp(target.min(self.window))
-            } else {
-                self.clamp(target)
-            };
+        if !self.startup && bw > 0.0 && !queue {
+            // quinn paces at window / smoothed RTT, so the window is sized from the smoothed
+            // RTT. With a gain above 1 a window-limited path still shows a growing delivery
+            // rate, so the window keeps probing upwards. While a queue stands it holds (only
+            // a loss then shrinks it): on loopback the "queue" is often the peer's scheduler,
+            // and a window cut to rate x minimum RTT would starve the pacer.
+            let target = (self.cfg.gain * bw * srtt.max(min_rtt).as_secs_f64()) as u64;
+            self.window = self.clamp(target);
         }
     }
 
