@@ -270,3 +270,27 @@ def late_master(rank: int, world: int, delay: float) -> float:
         g.all_reduce(a)
         assert a[0] == world
     return time.monotonic() - t0
+
+
+def on_lane(rank: int, world: int, lane: str | None, spec: str | None) -> dict[str, Any]:
+    """Collectives and send/recv on one lane, through a fault injector when ``spec`` is set."""
+    out: dict[str, Any] = {}
+    with mcp.init(timeout=120, chaos=spec, lane=lane) as g:
+        out["lane"] = g.lane
+        for n in (1000, 300_001):
+            a = data("float32", "sum", rank, n)
+            g.all_reduce(a)
+            out[f"all_reduce/{n}"] = a
+        b = data("int64", "sum", 0, 200_000) if rank == 0 else np.zeros(200_000, "int64")
+        g.broadcast(b, src=0)
+        out["broadcast"] = b
+        if rank < 2:
+            m = data("float64", "sum", rank, 70_000, salt=3)
+            if rank == 0:
+                g.send(m, dst=1)
+            else:
+                g.recv(m, src=0)
+            out["p2p"] = m
+        out["lane_stats"] = g.lane_stats()
+        out["corrupt_frames"] = g.stats()["corrupt_frames"]
+    return out

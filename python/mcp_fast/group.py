@@ -16,6 +16,7 @@ from .errors import GroupClosedError
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
 _ALGORITHMS = {"auto", "ring", "tree", "recursive_doubling", "rd"}
+_LANES = {"auto", "stream", "fec"}
 
 
 def _op_name(op: Any) -> str:
@@ -175,6 +176,16 @@ class Group:
         """Each other rank: ``state`` (connected / not connected / lost), ``rtt`` and
         ``last_seen`` (seconds), ``silence_limit``, and the ``reason`` it was lost."""
         return self.core.health()
+
+    @property
+    def lane(self) -> str:
+        """How data travels: ``"auto"``, ``"stream"`` or ``"fec"`` (see :func:`init`)."""
+        return self.core.lane
+
+    def lane_stats(self) -> dict[str, int]:
+        """The FEC lane's counters: ``frames_sent``, ``frames_received`` over it and
+        ``repair_shards`` resent because a receiver asked."""
+        return self.core.lane_stats()
 
     def chaos_kill(self) -> None:
         """Cut this process off the network (needs ``chaos=`` at init): every datagram in and
@@ -508,6 +519,7 @@ def init(
     chunk_bytes: int = 1 << 20,
     chaos: Chaos | str | None = None,
     heartbeat: float = 5.0,
+    lane: str | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -521,6 +533,11 @@ def init(
     ``Chaos(loss=0.2, seed=1)`` or ``"loss=0.2,delay=5ms,rate=1gbit,seed=1"``.
     ``heartbeat`` (seconds): a peer silent for 2 heartbeats plus max(min(1 s, heartbeat / 4),
     1.3 x mean RTT) is declared lost (``PeerLostError``), within 3 heartbeats of its death.
+    ``lane`` (default ``MCP_LANE`` or ``"auto"``) picks how
+    data travels: ``"stream"`` on reliable QUIC streams only; ``"fec"`` every data frame as
+    Reed-Solomon coded datagrams (the loss-proof bulk lane); ``"auto"`` streams, and the FEC
+    lane for frames of 256 KiB and more once packet loss above 1 % is measured on the path.
+    Results are bit-exact on every lane.
     """
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
@@ -540,6 +557,10 @@ def init(
         timeout = float(os.environ.get("MCP_TIMEOUT", "300"))
     if chaos is None:
         chaos = os.environ.get("MCP_CHAOS") or None
+    if lane is None:
+        lane = os.environ.get("MCP_LANE") or "auto"
+    if lane not in _LANES:
+        raise ValueError(f"lane must be one of {sorted(_LANES)}, got {lane!r}")
     core = _core.ProcessGroup(
         rank,
         world_size,
@@ -553,5 +574,6 @@ def init(
         protocol_major=_protocol_major,
         chaos=str(chaos) if chaos is not None else None,
         heartbeat=heartbeat,
+        lane=lane,
     )
     return Group(core)

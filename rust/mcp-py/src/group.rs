@@ -6,7 +6,7 @@
 use crate::errors::to_py;
 use crate::runtime::runtime;
 use crate::work::{Work, WorkState};
-use mcp_core::transport::quic::{QuicConfig, QuicTransport};
+use mcp_core::transport::quic::{LanePolicy, QuicConfig, QuicTransport};
 use mcp_core::wire::Codec;
 use mcp_core::{Algorithm, DType, Error, Group, GroupConfig, OpFuture, RawBuf, ReduceOp, Tensor};
 use pyo3::exceptions::PyValueError;
@@ -172,7 +172,7 @@ impl ProcessGroup {
     #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
-                        heartbeat=5.0))]
+                        heartbeat=5.0, lane=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -190,6 +190,7 @@ impl ProcessGroup {
         on_bound: Option<Py<PyAny>>,
         chaos: Option<&str>,
         heartbeat: f64,
+        lane: Option<&str>,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -206,6 +207,13 @@ impl ProcessGroup {
         cfg.heartbeat = seconds("heartbeat", heartbeat)?;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
+        }
+        if let Some(name) = lane {
+            cfg.bulk.policy = LanePolicy::parse(name).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "lane must be 'auto', 'stream' or 'fec', got {name:?}"
+                ))
+            })?;
         }
         if let Some(spec) = chaos {
             cfg.chaos = Some(
@@ -282,6 +290,26 @@ impl ProcessGroup {
         ]
         .into_iter()
         .collect()
+    }
+
+    /// The bulk (FEC) lane's counters: its policy, frames sent and received over it, shards
+    /// resent on request.
+    fn lane_stats(&self) -> std::collections::HashMap<&'static str, u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.group.transport().stats();
+        [
+            ("frames_sent", s.bulk_frames_sent.load(Relaxed)),
+            ("frames_received", s.bulk_frames_received.load(Relaxed)),
+            ("repair_shards", s.repair_shards.load(Relaxed)),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    /// The lane policy: "auto", "stream" or "fec".
+    #[getter]
+    fn lane(&self) -> &'static str {
+        self.group.transport().lane().name()
     }
 
     /// Each other rank's state ("connected", "not connected", "lost"), RTT and last-seen

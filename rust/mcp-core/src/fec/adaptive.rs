@@ -60,6 +60,16 @@ pub struct LossEstimator {
     p: f64,
 }
 
+impl Default for LossEstimator {
+    /// Starts at 2 % loss, moving 30 % of the way to each observation.
+    fn default() -> Self {
+        LossEstimator {
+            alpha: 0.3,
+            p: 0.02,
+        }
+    }
+}
+
 impl LossEstimator {
     /// Starts at loss rate `initial`; each observation moves the estimate by `alpha` (0 < alpha ≤ 1)
     /// of the way to the observed rate.

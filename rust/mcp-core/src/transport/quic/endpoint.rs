@@ -6,6 +6,7 @@
 //! socket can hold; on loopback we also use 64 KiB datagrams (MTU discovery climbs to them)
 //! without segmentation offload, whose 64 KiB-per-call limit they would break.
 
+use super::congestion::{CongestionKind, LossTolerantConfig};
 use super::tls::Identity;
 use super::QuicConfig;
 use crate::error::{Error, Result};
@@ -20,8 +21,15 @@ const SOCKET_BUFFER: usize = 32 << 20;
 /// Flow-control window bounds.
 const MIN_WINDOW: u32 = 256 << 10;
 const MAX_WINDOW: u32 = 64 << 20;
+/// Datagrams (FEC shards) quinn holds for us before we read them.
+const DATAGRAM_RECV_BUFFER: usize = 64 << 20;
+/// Datagrams quinn queues before `send_datagram_wait` waits.
+const DATAGRAM_SEND_BUFFER: usize = 4 << 20;
 /// Datagram payload on loopback.
 const LOOPBACK_MTU: u16 = 65_000;
+/// Smallest datagram payload on loopback: room for a 15 KiB FEC shard and its headers, and
+/// below the 16 KiB that quinn's padded Initial packets may take.
+const LOOPBACK_MIN_MTU: u16 = 16_000;
 
 /// A bound UDP socket and what the kernel granted it.
 pub(crate) struct BoundSocket {
@@ -42,11 +50,22 @@ impl BoundSocket {
 pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportConfig> {
     let mut t = TransportConfig::default();
     t.max_concurrent_uni_streams(VarInt::from_u32(16_384));
-    t.max_concurrent_bidi_streams(VarInt::from_u32(16));
+    // Each FEC-lane transfer holds a bidirectional stream until the receiver has it all.
+    t.max_concurrent_bidi_streams(VarInt::from_u32(256));
+    t.datagram_receive_buffer_size(Some(DATAGRAM_RECV_BUFFER));
+    t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
     let window = sock.window();
     t.stream_receive_window(VarInt::from_u32(window));
     t.receive_window(VarInt::from_u32(window));
     t.send_window(u64::from(window) * 4);
+    if cfg.congestion == CongestionKind::LossTolerant {
+        // Datagrams have no flow control: the window alone keeps FEC shards from overrunning
+        // the receiver's socket buffer, so it never exceeds what that buffer absorbs.
+        t.congestion_controller_factory(Arc::new(LossTolerantConfig {
+            max_window: u64::from(window),
+            ..LossTolerantConfig::default()
+        }));
+    }
     let idle = IdleTimeout::try_from(cfg.idle_timeout).map_err(|_| {
         Error::InvalidArgument(format!("idle timeout {:?} is too large", cfg.idle_timeout))
     })?;
@@ -65,6 +84,11 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<T
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(LOOPBACK_MTU);
         t.mtu_discovery_config(Some(mtu));
+        // Start at the top, and never fall far: under heavy random loss quinn's black-hole
+        // detector would otherwise take the MTU down to 1200 bytes again and again (and FEC
+        // shards planned for the larger size would no longer fit).
+        t.initial_mtu(LOOPBACK_MTU);
+        t.min_mtu(LOOPBACK_MIN_MTU);
         t.enable_segmentation_offload(false);
     }
     Ok(t)

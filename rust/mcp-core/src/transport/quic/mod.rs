@@ -2,12 +2,16 @@
 //! pair of ranks that talk (made when first needed, by the higher rank), one unidirectional
 //! stream per frame, so that chunks travel side by side and never wait behind each other.
 
+mod bulk;
 pub mod chaos;
+pub mod congestion;
 pub(crate) mod endpoint;
 mod heartbeat;
 mod rendezvous;
 pub mod tls;
 
+pub use bulk::{BulkConfig, LanePolicy, BULK_MAGIC};
+pub use congestion::CongestionKind;
 pub use heartbeat::PeerHealth;
 
 use super::{Frame, Lane, Mailbox, MsgKey, Payload, Transport};
@@ -66,6 +70,11 @@ pub struct QuicConfig {
     /// Faults to inject under QUIC (loss, delay, rate cap, ...) and corruption of frame
     /// payloads above it; `None` for a clean socket.
     pub chaos: Option<chaos::ChaosConfig>,
+    /// The bulk (FEC) lane: which frames take it, and its block shape.
+    pub bulk: BulkConfig,
+    /// The congestion controller of every connection (default: `MCP_CC`, else
+    /// loss-tolerant).
+    pub congestion: CongestionKind,
 }
 
 impl QuicConfig {
@@ -81,6 +90,8 @@ impl QuicConfig {
             heartbeat: Duration::from_secs(5),
             protocol_major: PROTOCOL_MAJOR,
             chaos: None,
+            bulk: BulkConfig::default(),
+            congestion: CongestionKind::from_env(),
         }
     }
 }
@@ -93,6 +104,8 @@ struct PeerSlot {
     /// Frames written to this peer; the goodbye carries the count so that the peer reads
     /// every one of them before it lets go of us.
     sent: AtomicU64,
+    /// Loss measured on the path to this peer, and datagrams queued to it.
+    path: Mutex<bulk::PathLoss>,
 }
 
 /// Counters that tests and diagnostics read.
@@ -110,6 +123,12 @@ pub struct QuicStats {
     pub bytes_sent: AtomicU64,
     /// Frame bytes received.
     pub bytes_received: AtomicU64,
+    /// Frames sent over the FEC lane (datagrams), included in `frames_sent`.
+    pub bulk_frames_sent: AtomicU64,
+    /// Frames received over the FEC lane, included in `frames_received`.
+    pub bulk_frames_received: AtomicU64,
+    /// Shards sent again because a receiver asked (NACK).
+    pub repair_shards: AtomicU64,
 }
 
 /// One process's end of the QUIC mesh.
@@ -132,6 +151,7 @@ pub struct QuicTransport {
     chaos_stats: Option<Arc<chaos::ChaosStats>>,
     breakers: Mutex<crate::health::PeerBreakers>,
     corrupter: Option<Mutex<rand::rngs::StdRng>>,
+    next_transfer: AtomicU64,
 }
 
 impl QuicTransport {
@@ -201,6 +221,7 @@ impl QuicTransport {
                     health: Mutex::new(None),
                     dial: tokio::sync::Mutex::new(()),
                     sent: AtomicU64::new(0),
+                    path: Mutex::new(bulk::PathLoss::default()),
                 })
                 .collect(),
             mailbox: Mailbox::new(),
@@ -211,6 +232,7 @@ impl QuicTransport {
             chaos_stats,
             breakers: Mutex::new(crate::health::PeerBreakers::new(world, Default::default())),
             corrupter,
+            next_transfer: AtomicU64::new(1),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
         let res = match t.local_addr().and_then(bound) {
@@ -231,6 +253,11 @@ impl QuicTransport {
     /// The address this process listens on.
     pub fn local_addr(&self) -> Result<SocketAddr> {
         Ok(self.endpoint.local_addr()?)
+    }
+
+    /// The lane policy of this transport.
+    pub fn lane(&self) -> LanePolicy {
+        self.cfg.bulk.policy
     }
 
     /// Counters of refused handshakes, frames and corrupt payloads.
@@ -482,6 +509,12 @@ impl QuicTransport {
         header: &Header,
         payload: &[u8],
     ) -> std::result::Result<(), WriteFail> {
+        if self.wants_bulk(peer, conn, header, payload.len()) {
+            match self.write_bulk(peer, conn, header, payload).await {
+                Err(WriteFail::TooLarge) => {} // the path shrank: a stream carries it
+                res => return res,
+            }
+        }
         // Corruption above QUIC (as a flipped bit in host memory would be): QUIC's AEAD cannot
         // see it; the frame CRC must.
         let corrupted;
@@ -606,6 +639,8 @@ impl QuicTransport {
 
 enum WriteFail {
     Core(Error),
+    /// A datagram no longer fits the path (its MTU fell): send the frame on a stream.
+    TooLarge,
     Conn(ConnectionError),
     Write(quinn::WriteError),
 }
@@ -613,6 +648,9 @@ enum WriteFail {
 fn map_write(e: WriteFail, peer: usize) -> Error {
     match e {
         WriteFail::Core(e) => e,
+        WriteFail::TooLarge => Error::Io(format!(
+            "a datagram to rank {peer} no longer fits the path MTU"
+        )),
         WriteFail::Conn(c) => map_conn_error(&c, peer, &format!("rank {peer}"), "send"),
         WriteFail::Write(quinn::WriteError::ConnectionLost(c)) => {
             map_conn_error(&c, peer, &format!("rank {peer}"), "send")
@@ -739,6 +777,15 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
     let known = Arc::new(Mutex::new(peer));
     let active = Arc::new(AtomicUsize::new(0));
     let received = Arc::new(AtomicU64::new(0));
+    let bulk_rx = Arc::new(bulk::BulkRx::default());
+    tokio::spawn(bulk::datagram_loop(conn.clone(), bulk_rx.clone()));
+    tokio::spawn(bulk::accept_loop(
+        me.clone(),
+        conn.clone(),
+        bulk_rx,
+        known.clone(),
+        received.clone(),
+    ));
     let end = loop {
         match conn.accept_uni().await {
             Ok(stream) => {

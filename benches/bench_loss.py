@@ -1,0 +1,169 @@
+"""Gloo vs mcp_fast all-reduce on a lossy link: same run, same link, same tensors.
+
+    python benches/bench_loss.py [--worlds 2 4] [--mib 16 64] [--losses 0 0.05 0.2] [--rate 1gbit]
+
+Each link condition is a fresh network namespace made by ``mcp-chaos`` (needs root, iproute2,
+nftables): its loopback drops that share of packets, silently, on input (nftables
+``numgen random``), and with ``--rate`` a second set of runs is rate-capped (tbf). Gloo's TCP
+and mcp_fast's UDP go through the same rule. Inside, every rank runs Gloo and mcp_fast
+(one group per ``--lanes`` entry, ``MCP_LANE``) alternately on the same float32 tensor, and
+checks that every all-reduce gave exactly the right values. Prints a Markdown table: median
+time per all-reduce, speed-up over Gloo, and each mcp lane's slow-down against itself on the
+clean link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def free_port(kind: int) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, q: Any) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import mcp_fast as mcp
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world
+    )
+    groups = {}
+    for i, lane in enumerate(args.lanes):
+        os.environ["MCP_LANE"] = lane
+        groups[lane] = mcp.init(
+            rank=rank, world_size=world, master_port=ports[1 + i], secret="bench", timeout=600
+        )
+    rows = []
+    for mib in args.mib:
+        n = (mib << 20) // 4
+        base = np.arange(n, dtype=np.float32) % 1024 + rank
+        want = (np.arange(n, dtype=np.float32) % 1024) * world + world * (world - 1) / 2
+        iters = args.iters if mib <= 16 else max(2, args.iters // 2)
+        times: dict[str, list[float]] = {"gloo": [], **{lane: [] for lane in groups}}
+        t = torch.from_numpy(base.copy())
+        a = base.copy()
+        for it in range(iters + 1):  # the first round warms up
+            for name in times:
+                if name == "gloo":
+                    t.copy_(torch.from_numpy(base))
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t)
+                    dt = time.perf_counter() - t0
+                    ok = np.array_equal(t.numpy(), want)
+                else:
+                    a[:] = base
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    groups[name].all_reduce(a)
+                    dt = time.perf_counter() - t0
+                    ok = np.array_equal(a, want)
+                if not ok:
+                    raise AssertionError(f"{name}: wrong all-reduce result at {mib} MiB")
+                if it > 0:
+                    times[name].append(dt)
+        if rank == 0:
+            rows.append({"mib": mib, **{k: statistics.median(v) for k, v in times.items()}})
+    for g in groups.values():
+        g.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        q.put(rows)
+
+
+def child(args: argparse.Namespace) -> None:
+    """Inside the namespace: run the ranks, print one JSON line."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ports = [free_port(socket.SOCK_STREAM)] + [free_port(socket.SOCK_DGRAM) for _ in args.lanes]
+    procs = [
+        ctx.Process(target=worker, args=(r, args.world, ports, args, q)) for r in range(args.world)
+    ]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=args.timeout)
+    for p in procs:
+        p.join(60)
+    print(json.dumps(rows), flush=True)
+
+
+def run_condition(args: argparse.Namespace, world: int, loss: float, rate: str | None) -> Any:
+    chaos = shutil.which("mcp-chaos", path=os.path.dirname(sys.executable)) or "mcp-chaos"
+    cmd = [chaos, "--loss", str(loss), "--hook", "input", "--timeout", str(args.timeout)]
+    if rate:
+        cmd += ["--rate", rate]
+    cmd += ["--", sys.executable, os.path.abspath(__file__), "--child", "--world", str(world)]
+    cmd += ["--mib", *map(str, args.mib), "--iters", str(args.iters)]
+    cmd += ["--lanes", *args.lanes, "--timeout", str(args.timeout)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
+    if r.returncode != 0 or not lines:
+        sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
+        raise SystemExit(f"run failed: world {world}, loss {loss}, rate {rate}: rc {r.returncode}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--mib", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--losses", type=float, nargs="+", default=[0.0, 0.05, 0.2])
+    p.add_argument("--rate", default="1gbit", help="also run rate-capped ('' to skip)")
+    p.add_argument("--lanes", nargs="+", default=["auto"], help="MCP_LANE of each mcp group")
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    conds: list[tuple[float, str | None]] = [(x, None) for x in args.losses]
+    if args.rate:
+        conds += [(x, args.rate) for x in args.losses]
+    lanes = " | ".join(f"mcp {lane}" for lane in args.lanes)
+    vs = " | ".join(f"{lane} vs Gloo | {lane} vs clean" for lane in args.lanes)
+    print(f"# {os.cpu_count()} CPUs; MCP_CC={os.environ.get('MCP_CC', 'default')}")
+    print(f"| link | ranks | size | Gloo | {lanes} | {vs} |")
+    print("|---" * (4 + 3 * len(args.lanes)) + "|")
+    clean: dict[tuple[int, int, str | None], dict[str, float]] = {}
+    for world in args.worlds:
+        for loss, rate in conds:
+            for row in run_condition(args, world, loss, rate):
+                key = (world, row["mib"], rate)
+                if loss == 0:
+                    clean[key] = row
+                base = clean.get(key, {})
+                link = f"{loss:.0%} loss" + (f", {rate}" if rate else "")
+                cells = " | ".join(f"{row[lane] * 1e3:.1f} ms" for lane in args.lanes)
+                ratios = " | ".join(
+                    f"{row['gloo'] / row[lane]:.2f}x | "
+                    + (f"{row[lane] / base[lane]:.2f}x" if lane in base else "-")
+                    for lane in args.lanes
+                )
+                print(
+                    f"| {link} | {world} | {row['mib']} MiB | {row['gloo'] * 1e3:.1f} ms "
+                    f"| {cells} | {ratios} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,960 @@
+//! The bulk lane: a frame's payload as Reed-Solomon coded QUIC datagrams.
+//!
+//! A reliable stream loses time at every lost packet (a retransmission at least one round
+//! trip later, a stalled window meanwhile); at 20 % random loss that is most of the time.
+//! This lane sends the payload as datagram-sized shards in blocks of `k` data and `m` parity
+//! shards ([`crate::fec`]), so that any `k` of a block's `k + m` shards rebuild it and a lost
+//! datagram costs nothing but its share of the parity. Per frame:
+//!
+//! 1. The sender opens a bidirectional stream and writes [`BULK_MAGIC`], the
+//!    [`TransferPlan`] and the frame header (reliable, ordered).
+//! 2. It sends every block's shards as datagrams (`send_datagram_wait`: backpressure, never a
+//!    dropped queue), with `m` from the path's measured loss ([`parity_for`]) so that repairs
+//!    stay rare. The send completes here, as a stream send does once QUIC holds the bytes.
+//! 3. Once its datagrams have left quinn's buffer it writes `END` on the stream. A receiver
+//!    that rebuilt everything answers `DONE`; one still short of some blocks a short grace
+//!    after `END` answers with NACKs, the sender sends the shards they name, and writes `END`
+//!    again, a bounded number of rounds.
+//!
+//! The receiver reads datagrams on one task per connection, files each shard with its
+//! transfer (a shard can come before its announcement: those wait in a bounded stash), and
+//! delivers the rebuilt payload to the mailbox exactly as a stream frame would be, after the
+//! frame CRC over the whole payload. Corrupted shards fail their own CRC32C and are erasures.
+//! Everything is bounded: transfers per connection (QUIC's stream limit), payload bytes
+//! in reception, the stash, the memory of finished transfer ids, repair rounds and waits.
+
+use super::{QuicTransport, WriteFail, MAX_FRAME_PAYLOAD};
+use crate::error::{Error, Result};
+use crate::fec::{
+    parity_for, LossEstimator, Received, TransferPlan, TransferReceiver, TransferSender,
+};
+use crate::transport::{Frame, MsgKey, Payload};
+use crate::wire::{Header, HEADER_FIXED};
+use bytes::Bytes;
+use quinn::{Connection, RecvStream, SendStream};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, Notify};
+
+/// The first bytes of a bulk transfer's stream.
+pub const BULK_MAGIC: [u8; 4] = *b"MCPB";
+
+/// Most parity shards per block.
+const MAX_PARITY: usize = 256;
+/// Repair rounds before the sender gives up on a transfer.
+const MAX_ROUNDS: u32 = 64;
+/// Datagrams of not yet announced transfers kept per connection.
+const STASH_BYTES: usize = 32 << 20;
+/// Transfers with stashed datagrams per connection.
+const STASH_TRANSFERS: usize = 512;
+/// Finished transfer ids remembered per connection (their late shards are dropped).
+const DONE_MEMORY: usize = 8192;
+/// Payload bytes in reception per connection.
+const LIVE_BYTES: u64 = 4 << 30;
+
+/// Stream reset code: the sender withdrew the transfer (the frame follows on a stream).
+const CANCELLED: u32 = 0x4d42;
+/// Stream reset code: the sender could not complete the transfer.
+const FAILED: u32 = 0x4d43;
+
+const MSG_END: u8 = 1;
+const MSG_NACKS: u8 = 2;
+const MSG_DONE: u8 = 3;
+/// Largest control message body (a NACK list).
+const MAX_MSG: usize = 4 << 20;
+
+/// Which lane a frame takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LanePolicy {
+    /// Reliable streams, and the FEC lane for large frames once loss is measured on a path
+    /// with a long enough round trip.
+    #[default]
+    Auto,
+    /// Reliable streams only.
+    Stream,
+    /// The FEC lane for every data frame with a payload.
+    Fec,
+}
+
+impl LanePolicy {
+    /// Parses `auto`, `stream` or `fec`.
+    pub fn parse(s: &str) -> Option<LanePolicy> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(LanePolicy::Auto),
+            "stream" => Some(LanePolicy::Stream),
+            "fec" => Some(LanePolicy::Fec),
+            _ => None,
+        }
+    }
+
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            LanePolicy::Auto => "auto",
+            LanePolicy::Stream => "stream",
+            LanePolicy::Fec => "fec",
+        }
+    }
+}
+
+/// Settings of the bulk lane.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BulkConfig {
+    /// Which lane frames take.
+    pub policy: LanePolicy,
+    /// With [`LanePolicy::Auto`]: frames of at least this many payload bytes take the FEC
+    /// lane once the measured packet loss exceeds `auto_loss`.
+    pub threshold: usize,
+    /// See `threshold`.
+    pub auto_loss: f64,
+    /// With [`LanePolicy::Auto`]: only paths whose smoothed RTT is at least this long take the
+    /// FEC lane (below it, retransmitting the lost packets is cheaper than coding).
+    pub auto_rtt: Duration,
+    /// Data shards per block (fewer for a short payload).
+    pub k: u16,
+    /// Most payload bytes per shard (fewer when the path's datagrams are smaller).
+    pub max_shard: usize,
+    /// Target probability that a block cannot be rebuilt without a repair.
+    pub target: f64,
+}
+
+impl Default for BulkConfig {
+    fn default() -> Self {
+        BulkConfig {
+            policy: LanePolicy::Auto,
+            threshold: 256 << 10,
+            auto_loss: 0.01,
+            auto_rtt: Duration::from_millis(5),
+            k: 128,
+            // Fits the loopback MTU floor (see endpoint.rs) with QUIC's and our headers.
+            max_shard: 15 << 10,
+            target: 5e-3,
+        }
+    }
+}
+
+/// The sender's view of one peer's path: loss measured from QUIC's packet counters.
+#[derive(Debug)]
+pub(super) struct PathLoss {
+    conn_id: usize,
+    last: (u64, u64),
+    est: LossEstimator,
+    measured: bool,
+    /// Datagrams handed to quinn on this connection.
+    queued: u64,
+}
+
+impl Default for PathLoss {
+    fn default() -> Self {
+        PathLoss {
+            conn_id: usize::MAX,
+            last: (0, 0),
+            est: LossEstimator::default(),
+            measured: false,
+            queued: 0,
+        }
+    }
+}
+
+impl PathLoss {
+    fn for_conn(&mut self, conn: &Connection) {
+        if self.conn_id != conn.stable_id() {
+            *self = PathLoss {
+                conn_id: conn.stable_id(),
+                ..PathLoss::default()
+            };
+        }
+    }
+
+    /// Folds the packets sent and lost since the last look into the estimate.
+    fn update(&mut self, conn: &Connection) -> f64 {
+        self.for_conn(conn);
+        let p = conn.stats().path;
+        let sent = p.sent_packets.saturating_sub(self.last.0);
+        let lost = p.lost_packets.saturating_sub(self.last.1);
+        if sent >= 64 {
+            self.est.observe(sent.saturating_sub(lost), sent);
+            self.last = (p.sent_packets, p.lost_packets);
+            self.measured = true;
+        }
+        self.est.loss()
+    }
+}
+
+impl QuicTransport {
+    /// Whether a frame of `len` payload bytes to `peer` takes the FEC lane.
+    pub(super) fn wants_bulk(
+        &self,
+        peer: usize,
+        conn: &Connection,
+        header: &Header,
+        len: usize,
+    ) -> bool {
+        use crate::wire::FrameKind;
+        let data = !matches!(
+            header.kind,
+            FrameKind::Hello | FrameKind::Table | FrameKind::Goodbye | FrameKind::Abort
+        );
+        if !data || len == 0 || conn.max_datagram_size().is_none() {
+            return false;
+        }
+        let bulk = self.cfg.bulk;
+        match bulk.policy {
+            LanePolicy::Stream => false,
+            LanePolicy::Fec => true,
+            LanePolicy::Auto => {
+                if len < bulk.threshold {
+                    return false;
+                }
+                // On a short path a retransmission costs less than coding every byte: FEC
+                // pays when the round trip is long enough (measured: see the README).
+                if conn.rtt() < bulk.auto_rtt {
+                    return false;
+                }
+                let Some(slot) = self.peers.get(peer) else {
+                    return false;
+                };
+                let mut pl = slot.path.lock().unwrap_or_else(|p| p.into_inner());
+                let p = pl.update(conn);
+                pl.measured && p > bulk.auto_loss
+            }
+        }
+    }
+
+    /// The path's loss estimate for `peer` (for the parity count).
+    fn path_loss(&self, peer: usize, conn: &Connection) -> f64 {
+        self.peers
+            .get(peer)
+            .map(|s| {
+                s.path
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .update(conn)
+            })
+            .unwrap_or(0.02)
+    }
+
+    /// Hands one shard to quinn (waiting for buffer space), corrupting it first when chaos
+    /// says so (above QUIC: the shard CRC must catch it).
+    async fn send_shard(
+        &self,
+        peer: usize,
+        conn: &Connection,
+        shard: Bytes,
+    ) -> std::result::Result<(), WriteFail> {
+        let shard = match &self.corrupter {
+            Some(rng) => {
+                let flip = {
+                    let mut rng = rng.lock().unwrap_or_else(|p| p.into_inner());
+                    let p = self.cfg.chaos.map(|c| c.corrupt).unwrap_or(0.0);
+                    rand::Rng::random_bool(&mut *rng, p.clamp(0.0, 1.0))
+                        .then(|| rand::Rng::random_range(&mut *rng, 0..shard.len() * 8))
+                };
+                match flip {
+                    Some(bit) => {
+                        let mut v = shard.to_vec();
+                        v[bit / 8] ^= 1 << (bit % 8);
+                        Bytes::from(v)
+                    }
+                    None => shard,
+                }
+            }
+            None => shard,
+        };
+        conn.send_datagram_wait(shard).await.map_err(|e| match e {
+            quinn::SendDatagramError::ConnectionLost(c) => WriteFail::Conn(c),
+            quinn::SendDatagramError::TooLarge => WriteFail::TooLarge,
+            other => WriteFail::Core(Error::Io(format!("FEC lane datagram: {other}"))),
+        })?;
+        if let Some(slot) = self.peers.get(peer) {
+            let mut pl = slot.path.lock().unwrap_or_else(|p| p.into_inner());
+            pl.for_conn(conn);
+            pl.queued += 1;
+        }
+        Ok(())
+    }
+
+    /// Datagrams queued on `conn` so far.
+    fn queued_datagrams(&self, peer: usize, conn: &Connection) -> u64 {
+        self.peers
+            .get(peer)
+            .map(|s| {
+                let mut pl = s.path.lock().unwrap_or_else(|p| p.into_inner());
+                pl.for_conn(conn);
+                pl.queued
+            })
+            .unwrap_or(0)
+    }
+
+    /// Sends one frame over the FEC lane; returns once every first-pass shard is queued in
+    /// QUIC. Repairs are served in the background from a copy of the payload.
+    pub(super) async fn write_bulk(
+        &self,
+        peer: usize,
+        conn: &Connection,
+        header: &Header,
+        payload: &[u8],
+    ) -> std::result::Result<(), WriteFail> {
+        let bulk = self.cfg.bulk;
+        let max_dg = conn
+            .max_datagram_size()
+            .ok_or_else(|| WriteFail::Core(Error::Io("the peer takes no datagrams".into())))?;
+        let (k, dg) = block_shape(payload.len(), max_dg, bulk).map_err(WriteFail::Core)?;
+        let tid = self.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let plan = TransferPlan::new(tid, payload.len() as u64, k, dg).map_err(WriteFail::Core)?;
+        let loss = self.path_loss(peer, conn);
+        let parity =
+            |k: usize| parity_for(k, loss, bulk.target, 1, MAX_PARITY.min(4 * k).max(1)) as u16;
+        let mut tx = TransferSender::new(
+            plan,
+            Bytes::copy_from_slice(payload),
+            parity(usize::from(k)),
+        )
+        .map_err(WriteFail::Core)?;
+        let (mut send, recv) = conn.open_bi().await.map_err(WriteFail::Conn)?;
+        let mut announce =
+            Vec::with_capacity(4 + crate::fec::transfer::PLAN_LEN + header.encoded_len());
+        announce.extend_from_slice(&BULK_MAGIC);
+        announce.extend_from_slice(&plan.to_bytes());
+        header.encode(&mut announce).map_err(WriteFail::Core)?;
+        send.write_all(&announce).await.map_err(WriteFail::Write)?;
+        let mut b = 0u32;
+        loop {
+            if let Some((_, _, kb)) = plan.block_span(b) {
+                tx.set_parity(parity(kb)).map_err(WriteFail::Core)?;
+            }
+            let Some((_, shards)) = tx.next_block().map_err(WriteFail::Core)? else {
+                break;
+            };
+            for s in shards {
+                if let Err(e) = self.send_shard(peer, conn, s).await {
+                    if matches!(e, WriteFail::TooLarge) {
+                        // The receiver drops the transfer without a word; the caller resends
+                        // the frame on a stream.
+                        let _ = send.reset(quinn::VarInt::from_u32(CANCELLED));
+                    }
+                    return Err(e);
+                }
+            }
+            b += 1;
+        }
+        if let Some(slot) = self.peers.get(peer) {
+            slot.sent.fetch_add(1, Ordering::AcqRel);
+        }
+        self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
+        self.stats.bytes_sent.fetch_add(
+            (header.encoded_len() + payload.len()) as u64,
+            Ordering::Relaxed,
+        );
+        self.stats.bulk_frames_sent.fetch_add(1, Ordering::Relaxed);
+        // Until the receiver says DONE, the transfer counts as unacknowledged (shutdown waits).
+        self.unacked_streams.fetch_add(1, Ordering::AcqRel);
+        let me = self.me.clone();
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            serve_repairs(&me, peer, &conn, tx, send, recv).await;
+            if let Some(t) = me.upgrade() {
+                t.unacked_streams.fetch_sub(1, Ordering::AcqRel);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// The block shape for a payload of `len` bytes over datagrams of at most `max_dg` bytes:
+/// data shards per block and the datagram size to plan for. The payload is split evenly, so
+/// that no block is a small remainder (a small block needs proportionally more parity).
+fn block_shape(len: usize, max_dg: usize, bulk: BulkConfig) -> Result<(u16, usize)> {
+    use crate::fec::shard::HEADER_LEN;
+    let max_sb = TransferPlan::shard_bytes_for(max_dg.min(bulk.max_shard + HEADER_LEN))?;
+    let kmax = usize::from(bulk.k.max(1));
+    let n = len.div_ceil(max_sb).max(1);
+    let blocks = n.div_ceil(kmax);
+    let k = n.div_ceil(blocks);
+    let sb = len.div_ceil(blocks * k).div_ceil(64) * 64;
+    let sb = sb.clamp(64.min(max_sb), max_sb);
+    Ok((k as u16, sb + HEADER_LEN))
+}
+
+/// Waits (bounded) until quinn has put every datagram queued so far on the wire.
+async fn drained(t: &QuicTransport, peer: usize, conn: &Connection) {
+    let want = t.queued_datagrams(peer, conn);
+    let until = Instant::now() + Duration::from_secs(2);
+    while conn.stats().frame_tx.datagram < want && Instant::now() < until {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+}
+
+async fn write_msg(send: &mut SendStream, kind: u8, body: &[u8]) -> bool {
+    let mut m = Vec::with_capacity(5 + body.len());
+    m.push(kind);
+    m.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    m.extend_from_slice(body);
+    send.write_all(&m).await.is_ok()
+}
+
+/// What reading a control message gave.
+enum Msg {
+    /// A message: its kind and body.
+    Got(u8, Vec<u8>),
+    /// The peer reset the stream with this code.
+    Reset(u64),
+    /// The stream ended or failed otherwise.
+    End,
+}
+
+fn reset_code(e: &quinn::ReadExactError) -> Option<u64> {
+    match e {
+        quinn::ReadExactError::ReadError(quinn::ReadError::Reset(code)) => Some(u64::from(*code)),
+        _ => None,
+    }
+}
+
+/// Reads one control message.
+async fn read_msg(recv: &mut RecvStream) -> Msg {
+    let mut head = [0u8; 5];
+    if let Err(e) = recv.read_exact(&mut head).await {
+        return reset_code(&e).map_or(Msg::End, Msg::Reset);
+    }
+    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > MAX_MSG {
+        return Msg::End;
+    }
+    let mut body = vec![0u8; len];
+    if let Err(e) = recv.read_exact(&mut body).await {
+        return reset_code(&e).map_or(Msg::End, Msg::Reset);
+    }
+    Msg::Got(head[0], body)
+}
+
+/// The sender's side after the first pass: END, then NACKs answered with repairs, until
+/// DONE, the end of the stream, or the round limit.
+async fn serve_repairs(
+    me: &Weak<QuicTransport>,
+    peer: usize,
+    conn: &Connection,
+    mut tx: TransferSender,
+    mut send: SendStream,
+    mut recv: RecvStream,
+) {
+    let idle = me
+        .upgrade()
+        .map(|t| t.cfg.idle_timeout)
+        .unwrap_or(Duration::from_secs(30));
+    let ok = async {
+        for round in 0..MAX_ROUNDS {
+            {
+                let t = me.upgrade()?;
+                drained(&t, peer, conn).await;
+            }
+            if !write_msg(&mut send, MSG_END, &round.to_le_bytes()).await {
+                return None;
+            }
+            let Msg::Got(kind, body) =
+                tokio::time::timeout(idle, read_msg(&mut recv)).await.ok()?
+            else {
+                return None;
+            };
+            match kind {
+                MSG_DONE => return Some(()),
+                MSG_NACKS => {
+                    let t = me.upgrade()?;
+                    let mut at = 0;
+                    while at < body.len() {
+                        let (nack, used) = crate::fec::Nack::decode(&body[at..]).ok()?;
+                        at += used;
+                        let shards = tx.repair(&nack).ok()?;
+                        t.stats
+                            .repair_shards
+                            .fetch_add(shards.len() as u64, Ordering::Relaxed);
+                        for s in shards {
+                            t.send_shard(peer, conn, s).await.ok()?;
+                        }
+                    }
+                }
+                _ => return None,
+            }
+        }
+        None
+    }
+    .await;
+    match ok {
+        Some(()) => {
+            let _ = send.finish();
+        }
+        None => {
+            let _ = send.reset(quinn::VarInt::from_u32(FAILED));
+        }
+    }
+}
+
+/// One transfer in reception.
+struct RxTransfer {
+    rx: Mutex<Option<TransferReceiver>>,
+    error: Mutex<Option<Error>>,
+    notify: Notify,
+}
+
+impl RxTransfer {
+    /// Files one datagram; wakes the transfer's task when it completes or fails.
+    fn take(&self, d: &[u8]) {
+        let mut g = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(rx) = g.as_mut() else { return };
+        match rx.receive(d) {
+            Ok(Received::BlockDone(_)) if rx.is_complete() => self.notify.notify_one(),
+            Ok(_) => {}
+            Err(e) => {
+                *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                self.notify.notify_one();
+            }
+        }
+    }
+
+    fn is_complete(&self) -> bool {
+        self.rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|r| r.is_complete())
+    }
+}
+
+#[derive(Default)]
+struct RxInner {
+    live: HashMap<u64, Arc<RxTransfer>>,
+    live_bytes: u64,
+    stash: HashMap<u64, Vec<Bytes>>,
+    stash_order: VecDeque<u64>,
+    stash_bytes: usize,
+    done: HashSet<u64>,
+    done_order: VecDeque<u64>,
+}
+
+impl RxInner {
+    fn stash(&mut self, tid: u64, d: Bytes) {
+        if d.len() > STASH_BYTES {
+            return;
+        }
+        if !self.stash.contains_key(&tid) {
+            self.stash_order.push_back(tid);
+        }
+        self.stash_bytes += d.len();
+        self.stash.entry(tid).or_default().push(d);
+        while (self.stash_bytes > STASH_BYTES || self.stash_order.len() > STASH_TRANSFERS)
+            && !self.stash_order.is_empty()
+        {
+            if let Some(old) = self.stash_order.pop_front() {
+                if let Some(v) = self.stash.remove(&old) {
+                    self.stash_bytes -= v.iter().map(Bytes::len).sum::<usize>();
+                }
+            }
+        }
+    }
+
+    fn unstash(&mut self, tid: u64) -> Vec<Bytes> {
+        let v = self.stash.remove(&tid).unwrap_or_default();
+        if !v.is_empty() {
+            self.stash_order.retain(|&t| t != tid);
+            self.stash_bytes -= v.iter().map(Bytes::len).sum::<usize>();
+        }
+        v
+    }
+
+    fn finish(&mut self, tid: u64, bytes: u64) {
+        if self.live.remove(&tid).is_some() {
+            self.live_bytes = self.live_bytes.saturating_sub(bytes);
+        }
+        if self.done.insert(tid) {
+            self.done_order.push_back(tid);
+        }
+        while self.done_order.len() > DONE_MEMORY {
+            if let Some(old) = self.done_order.pop_front() {
+                self.done.remove(&old);
+            }
+        }
+        self.unstash(tid);
+    }
+}
+
+/// The receiving side of the FEC lane of one connection.
+#[derive(Default)]
+pub(super) struct BulkRx {
+    inner: Mutex<RxInner>,
+    /// Datagrams received on this connection (for tests and stats).
+    pub datagrams: AtomicU64,
+    /// Transfers in reception.
+    pub active: AtomicUsize,
+}
+
+impl BulkRx {
+    fn lock(&self) -> std::sync::MutexGuard<'_, RxInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Reads the datagrams of `conn` and files each shard with its transfer.
+pub(super) async fn datagram_loop(conn: Connection, bulk: Arc<BulkRx>) {
+    while let Ok(d) = conn.read_datagram().await {
+        bulk.datagrams.fetch_add(1, Ordering::Relaxed);
+        let Some(id) = d.get(..8) else { continue };
+        let mut tid = [0u8; 8];
+        tid.copy_from_slice(id);
+        let tid = u64::from_le_bytes(tid);
+        let t = {
+            let mut g = bulk.lock();
+            match g.live.get(&tid) {
+                Some(t) => Some(t.clone()),
+                None => {
+                    if !g.done.contains(&tid) {
+                        g.stash(tid, d.clone());
+                    }
+                    None
+                }
+            }
+        };
+        if let Some(t) = t {
+            t.take(&d);
+        }
+    }
+}
+
+/// Accepts the bulk transfers the peer opens on `conn`.
+pub(super) async fn accept_loop(
+    me: Weak<QuicTransport>,
+    conn: Connection,
+    bulk: Arc<BulkRx>,
+    known: Arc<Mutex<Option<usize>>>,
+    received: Arc<AtomicU64>,
+) {
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        let (me, conn, bulk, known, received) = (
+            me.clone(),
+            conn.clone(),
+            bulk.clone(),
+            known.clone(),
+            received.clone(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = receive_transfer(&me, &conn, &bulk, send, recv, &known, &received).await
+            {
+                if let Some(t) = me.upgrade() {
+                    t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
+                    if let Some(p) = *known.lock().unwrap_or_else(|p| p.into_inner()) {
+                        t.mailbox.fail_peer(p, e);
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Reads a transfer's announcement; `None` when the sender withdrew it.
+async fn read_announce(recv: &mut RecvStream) -> Result<Option<(TransferPlan, Header, usize)>> {
+    let mut cancelled = false;
+    let res = {
+        let mut bad = |what: &str, e: quinn::ReadExactError| {
+            cancelled |= reset_code(&e) == Some(u64::from(CANCELLED));
+            Error::Protocol(format!("FEC lane: reading {what}: {e}"))
+        };
+        read_announce_inner(recv, &mut bad).await
+    };
+    match res {
+        Ok(a) => Ok(Some(a)),
+        Err(_) if cancelled => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+async fn read_announce_inner(
+    recv: &mut RecvStream,
+    bad: &mut impl FnMut(&str, quinn::ReadExactError) -> Error,
+) -> Result<(TransferPlan, Header, usize)> {
+    let mut head = [0u8; 4 + crate::fec::transfer::PLAN_LEN];
+    recv.read_exact(&mut head)
+        .await
+        .map_err(|e| bad("the announcement", e))?;
+    if head[..4] != BULK_MAGIC {
+        return Err(Error::Protocol(format!(
+            "FEC lane: bad magic {:02x?}",
+            &head[..4]
+        )));
+    }
+    let plan = TransferPlan::from_bytes(&head[4..])?;
+    let mut fixed = [0u8; HEADER_FIXED];
+    recv.read_exact(&mut fixed)
+        .await
+        .map_err(|e| bad("a frame header", e))?;
+    let shape_len = Header::shape_len(&fixed)?;
+    let mut hbytes = fixed.to_vec();
+    hbytes.resize(HEADER_FIXED + shape_len, 0);
+    recv.read_exact(&mut hbytes[HEADER_FIXED..])
+        .await
+        .map_err(|e| bad("a frame shape", e))?;
+    let header = Header::decode(&hbytes)?;
+    if header.payload_len != plan.total_len || header.payload_len > MAX_FRAME_PAYLOAD {
+        return Err(Error::Protocol(format!(
+            "FEC lane: frame of {} bytes announced with a plan of {}",
+            header.payload_len, plan.total_len
+        )));
+    }
+    Ok((plan, header, hbytes.len()))
+}
+
+/// One transfer, from its announcement to the delivered frame.
+async fn receive_transfer(
+    me: &Weak<QuicTransport>,
+    conn: &Connection,
+    bulk: &BulkRx,
+    mut send: SendStream,
+    mut recv: RecvStream,
+    known: &Mutex<Option<usize>>,
+    received: &AtomicU64,
+) -> Result<()> {
+    let Some((plan, header, hlen)) = read_announce(&mut recv).await? else {
+        return Ok(()); // withdrawn before it began: the frame comes on a stream
+    };
+    let (world, idle) = match me.upgrade() {
+        Some(t) => (t.world, t.cfg.idle_timeout),
+        None => return Ok(()),
+    };
+    let src = header.src as usize;
+    if src >= world {
+        return Err(Error::Protocol(format!(
+            "frame from rank {src} in a world of {world}"
+        )));
+    }
+    {
+        let mut k = known.lock().unwrap_or_else(|p| p.into_inner());
+        if k.is_none() {
+            *k = Some(src);
+        }
+    }
+    let tid = plan.transfer_id;
+    let transfer = Arc::new(RxTransfer {
+        rx: Mutex::new(None),
+        error: Mutex::new(None),
+        notify: Notify::new(),
+    });
+    let early = {
+        let mut g = bulk.lock();
+        if g.live.contains_key(&tid) || g.done.contains(&tid) {
+            return Err(Error::Protocol(format!(
+                "FEC lane: transfer {tid} announced twice"
+            )));
+        }
+        if g.live_bytes + plan.total_len > LIVE_BYTES {
+            return Err(Error::Protocol(format!(
+                "FEC lane: more than {LIVE_BYTES} bytes in reception"
+            )));
+        }
+        g.live_bytes += plan.total_len;
+        g.live.insert(tid, transfer.clone());
+        g.unstash(tid)
+    };
+    bulk.active.fetch_add(1, Ordering::Relaxed);
+    let res = run_transfer(conn, plan, &transfer, early, &mut send, recv, idle).await;
+    bulk.active.fetch_sub(1, Ordering::Relaxed);
+    bulk.lock().finish(tid, plan.total_len);
+    let key = MsgKey::of(&header);
+    let Some(t) = me.upgrade() else { return Ok(()) };
+    match res {
+        Ok(None) => return Ok(()), // withdrawn: the frame comes on a stream
+        Ok(Some(bytes)) => {
+            let _ = write_msg(&mut send, MSG_DONE, &[]).await;
+            let _ = send.finish();
+            let payload = Payload::from(bytes);
+            t.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+            t.stats.bulk_frames_received.fetch_add(1, Ordering::Relaxed);
+            t.stats
+                .bytes_received
+                .fetch_add((hlen + payload.len()) as u64, Ordering::Relaxed);
+            match payload.verify(&header) {
+                Ok(()) => t.mailbox.dispatch(Frame { header, payload }),
+                Err(e) => {
+                    t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
+                    t.mailbox.deliver(key, Err(e));
+                }
+            }
+        }
+        Err(e) => {
+            let _ = send.reset(quinn::VarInt::from_u32(1));
+            t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
+            t.mailbox.deliver(key, Err(e));
+        }
+    }
+    received.fetch_add(1, Ordering::AcqRel);
+    Ok(())
+}
+
+/// Collects the shards of one transfer, asking for repairs, until it is complete.
+async fn run_transfer(
+    conn: &Connection,
+    plan: TransferPlan,
+    transfer: &RxTransfer,
+    early: Vec<Bytes>,
+    send: &mut SendStream,
+    mut recv: RecvStream,
+    idle: Duration,
+) -> Result<Option<Vec<u8>>> {
+    *transfer.rx.lock().unwrap_or_else(|p| p.into_inner()) = Some(TransferReceiver::new(plan)?);
+    for d in &early {
+        transfer.take(d);
+    }
+    // Control messages from the sender, read by their own task (a read is not cancel-safe):
+    // `Some(true)` an END, `Some(false)` the transfer withdrawn.
+    let (msg_tx, mut msgs) = mpsc::channel::<bool>(8);
+    let reader = tokio::spawn(async move {
+        loop {
+            let item = match read_msg(&mut recv).await {
+                Msg::Got(MSG_END, body) if body.len() == 4 => true,
+                Msg::Reset(code) if code == u64::from(CANCELLED) => false,
+                _ => break,
+            };
+            if msg_tx.send(item).await.is_err() || !item {
+                break;
+            }
+        }
+    });
+    let res = async {
+        let mut nack_at: Option<tokio::time::Instant> = None;
+        let mut last_progress = Instant::now();
+        loop {
+            if let Some(e) = transfer.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                return Err(e);
+            }
+            if transfer.is_complete() {
+                break;
+            }
+            let wake = nack_at.unwrap_or_else(|| tokio::time::Instant::now() + idle);
+            tokio::select! {
+                _ = transfer.notify.notified() => { last_progress = Instant::now(); }
+                m = msgs.recv() => match m {
+                    Some(false) => return Ok(None),
+                    Some(true) => {
+                        // Shards sent just before END may still be on their way.
+                        let grace = (conn.rtt() / 2).max(Duration::from_millis(1)) + Duration::from_millis(1);
+                        nack_at = Some(tokio::time::Instant::now() + grace);
+                        last_progress = Instant::now();
+                    }
+                    None => {
+                        if transfer.is_complete() { break; }
+                        return Err(Error::Protocol(format!(
+                            "FEC lane: the sender ended transfer {} before it was complete",
+                            plan.transfer_id
+                        )));
+                    }
+                },
+                _ = tokio::time::sleep_until(wake) => {
+                    if nack_at.is_some() {
+                        nack_at = None;
+                        let body = {
+                            let g = transfer.rx.lock().unwrap_or_else(|p| p.into_inner());
+                            let Some(rx) = g.as_ref() else { break };
+                            if rx.is_complete() { break; }
+                            let p = conn.stats().path;
+                            let loss = (p.lost_packets as f64 / p.sent_packets.max(1) as f64).clamp(0.05, 0.5);
+                            let mut body = Vec::new();
+                            for n in rx.nacks(loss, 1e-2) {
+                                n.encode_into(&mut body)?;
+                                if body.len() > MAX_MSG - 1024 { break; }
+                            }
+                            body
+                        };
+                        if !write_msg(send, MSG_NACKS, &body).await {
+                            return Err(Error::Protocol("FEC lane: the sender went away".into()));
+                        }
+                    } else if last_progress.elapsed() >= idle {
+                        return Err(Error::Timeout {
+                            what: format!("FEC lane transfer {} stalled", plan.transfer_id),
+                            after: idle,
+                        });
+                    }
+                }
+            }
+        }
+        let rx = transfer
+            .rx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| Error::Protocol("FEC lane: transfer vanished".into()))?;
+        rx.into_payload().map(Some)
+    }
+    .await;
+    reader.abort();
+    res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fec::shard::HEADER_LEN;
+
+    #[test]
+    fn blocks_split_the_payload_evenly() {
+        let cfg = BulkConfig::default();
+        for (len, max_dg, want_k) in [
+            (1usize << 20, 65_000usize, 69u16),
+            (1 << 20, 1200, 114),
+            (10 << 20, 65_000, 114),
+            (100, 65_000, 1),
+            (1, 1200, 1),
+        ] {
+            let (k, dg) = block_shape(len, max_dg, cfg).expect("shape");
+            let sb = dg - HEADER_LEN;
+            assert_eq!(k, want_k, "len {len}, datagrams {max_dg}");
+            assert!(dg <= max_dg && sb <= cfg.max_shard, "len {len}: shard {sb}");
+            assert_eq!(sb % 64, 0);
+            let plan = TransferPlan::new(1, len as u64, k, dg).expect("plan");
+            assert_eq!(plan.shard_bytes as usize, sb);
+            // Every block but the last is full, and the last is at least half of one.
+            let last = plan.n_blocks() - 1;
+            let (_, _, k_last) = plan.block_span(last).expect("span");
+            assert!(
+                2 * k_last + 2 >= usize::from(k),
+                "len {len}: last block {k_last} of {k}"
+            );
+        }
+        assert!(block_shape(1000, HEADER_LEN + 1, cfg).is_err());
+    }
+
+    #[test]
+    fn lane_names() {
+        for l in [LanePolicy::Auto, LanePolicy::Stream, LanePolicy::Fec] {
+            assert_eq!(LanePolicy::parse(l.name()), Some(l));
+        }
+        assert_eq!(LanePolicy::parse(" FEC "), Some(LanePolicy::Fec));
+        assert_eq!(LanePolicy::parse("udp"), None);
+    }
+
+    #[test]
+    fn the_stash_and_the_memory_of_finished_transfers_are_bounded() {
+        let mut rx = RxInner::default();
+        let d = Bytes::from(vec![0u8; 1 << 20]);
+        for tid in 0..40u64 {
+            rx.stash(tid, d.clone());
+        }
+        assert!(rx.stash_bytes <= STASH_BYTES);
+        assert_eq!(rx.stash_bytes, 32 << 20);
+        // The oldest went first.
+        assert!(rx.unstash(0).is_empty());
+        assert_eq!(rx.unstash(39).len(), 1);
+        assert_eq!(rx.stash_bytes, 31 << 20);
+        for tid in 0..(STASH_TRANSFERS as u64 + 10) {
+            rx.stash(1000 + tid, Bytes::from_static(b"x"));
+        }
+        assert!(rx.stash_order.len() <= STASH_TRANSFERS);
+        assert_eq!(rx.stash.len(), rx.stash_order.len());
+        for tid in 0..(DONE_MEMORY as u64 + 100) {
+            rx.finish(tid, 0);
+        }
+        assert_eq!(rx.done.len(), DONE_MEMORY);
+        assert!(!rx.done.contains(&0) && rx.done.contains(&(DONE_MEMORY as u64 + 99)));
+        // A finished transfer's stashed shards are dropped with it.
+        rx.stash(5_000_000, Bytes::from_static(b"late"));
+        rx.finish(5_000_000, 0);
+        assert!(!rx.stash.contains_key(&5_000_000));
+    }
+}
