@@ -1,19 +1,11 @@
 //! Entropy coding of one byte plane.
 //!
-//! Each plane is stored as a single repeated byte, zstd, Huffman or the raw bytes, chosen by
-//! its sampled order-0 entropy ([`crate::entropy::choose`]):
-//!
-//! * below [`crate::entropy::ZSTD_ENTROPY`] bits per byte the plane is mostly one value (the unchanged
-//!   elements of a delta): zstd's runs and matches beat any order-0 coder there;
-//! * up to [`crate::entropy::RAW_ENTROPY`] (the exponent and high mantissa bytes) almost all a general
-//!   compressor could gain is order-0, and the canonical Huffman coder
-//!   ([`crate::entropy::huffman`]) gets it several times faster than zstd;
-//! * above, close to 8 bits (the noisy low mantissa bytes), the plane is stored raw untried.
-//!
-//! A plane is also stored raw whenever its coded form would not be smaller.
+//! Each plane is stored in the cheapest of three forms: a single repeated byte, zstd, or
+//! the raw bytes when zstd would not shrink it. Planes whose sampled order-0 entropy is close
+//! to 8 bits per byte (the noisy low bytes of a float delta) are stored raw without trying
+//! zstd, which is what keeps encoding fast on them.
 
 use super::error::{DeltaError, Result};
-use crate::entropy::{choose, huffman, Choice, RAW_ENTROPY};
 
 /// How one plane is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,8 +17,6 @@ pub enum Method {
     Const = 1,
     /// A zstd frame.
     Zstd = 2,
-    /// A canonical Huffman payload ([`crate::entropy::huffman`]).
-    Huffman = 3,
 }
 
 impl Method {
@@ -36,11 +26,36 @@ impl Method {
             0 => Some(Method::Raw),
             1 => Some(Method::Const),
             2 => Some(Method::Zstd),
-            3 => Some(Method::Huffman),
             _ => None,
         }
     }
 }
+
+/// Order-0 entropy in bits per byte estimated from a sample of at most 64 Ki bytes spread
+/// over the plane.
+pub(crate) fn sampled_entropy(plane: &[u8]) -> f64 {
+    let mut hist = [0u32; 256];
+    let step = (plane.len() / 65536).max(1);
+    let mut total = 0u32;
+    for b in plane.iter().step_by(step) {
+        hist[usize::from(*b)] += 1;
+        total += 1;
+    }
+    if total == 0 {
+        return 0.0;
+    }
+    let t = f64::from(total);
+    hist.iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = f64::from(c) / t;
+            -p * p.log2()
+        })
+        .sum()
+}
+
+/// Above this sampled entropy (bits per byte) a plane is stored raw without trying zstd.
+const RAW_ENTROPY: f64 = 7.9;
 
 /// Encodes planes; holds a zstd context and a scratch buffer for reuse across planes.
 pub(crate) struct PlaneEncoder {
@@ -68,26 +83,18 @@ impl PlaneEncoder {
             out.push(first);
             return Method::Const;
         }
-        match choose(plane, RAW_ENTROPY) {
-            Choice::Huffman => {
-                if huffman::encode_bounded(plane, plane.len() - 1, out) {
-                    return Method::Huffman;
+        if plane.len() >= 64 && sampled_entropy(plane) < RAW_ENTROPY {
+            // A buffer one byte shorter than the plane: zstd fails when it cannot beat raw.
+            self.scratch.resize(plane.len() - 1, 0);
+            if let Ok(n) = self
+                .zstd
+                .compress_to_buffer(plane, self.scratch.as_mut_slice())
+            {
+                if let Some(coded) = self.scratch.get(..n) {
+                    out.extend_from_slice(coded);
+                    return Method::Zstd;
                 }
             }
-            Choice::Zstd => {
-                // A buffer one byte shorter than the plane: zstd fails when it cannot beat raw.
-                self.scratch.resize(plane.len() - 1, 0);
-                if let Ok(n) = self
-                    .zstd
-                    .compress_to_buffer(plane, self.scratch.as_mut_slice())
-                {
-                    if let Some(coded) = self.scratch.get(..n) {
-                        out.extend_from_slice(coded);
-                        return Method::Zstd;
-                    }
-                }
-            }
-            Choice::Raw => {}
         }
         out.extend_from_slice(plane);
         Method::Raw
@@ -140,8 +147,6 @@ impl PlaneDecoder {
                     )));
                 }
             }
-            Method::Huffman => huffman::decode(payload, out)
-                .map_err(|e| DeltaError::Corrupt(format!("huffman plane: {e}")))?,
         }
         Ok(())
     }
@@ -175,8 +180,6 @@ mod tests {
         assert_eq!(round_trip(&noise), Method::Raw);
         let sparse: Vec<u8> = noise.iter().map(|&b| if b < 16 { b } else { 0 }).collect();
         assert_eq!(round_trip(&sparse), Method::Zstd);
-        let nibbles: Vec<u8> = noise.iter().map(|&b| b & 15).collect();
-        assert_eq!(round_trip(&nibbles), Method::Huffman);
         assert_eq!(round_trip(&[]), Method::Raw);
         assert_eq!(round_trip(&[1, 2, 3]), Method::Raw);
     }
@@ -190,9 +193,5 @@ mod tests {
         assert!(dec.decode(Method::Zstd, &[1, 2, 3], &mut out).is_err());
         let small = zstd::bulk::compress(&[1u8, 2, 3], 1).expect("zstd");
         assert!(dec.decode(Method::Zstd, &small, &mut out).is_err());
-        assert!(dec.decode(Method::Huffman, &[1, 2, 3], &mut out).is_err());
-        let mut coded = Vec::new();
-        assert!(huffman::encode(&[1, 2, 3], &mut coded));
-        assert!(dec.decode(Method::Huffman, &coded, &mut out).is_err());
     }
 }

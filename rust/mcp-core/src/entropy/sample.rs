@@ -4,9 +4,9 @@
 /// elements of a delta, the zeros of a sparse tensor): zstd's runs and matches beat any
 /// order-0 coder there (Huffman spends at least one bit per byte).
 pub const ZSTD_ENTROPY: f64 = 2.0;
-/// Above this sampled entropy a plane (noisy low mantissa bytes) is stored raw untried, when
-/// the ratio comes first (checkpoints); a caller for which speed comes first (the wire)
-/// passes a lower bound to [`choose`].
+/// Above this sampled entropy a plane (noisy low mantissa bytes) is stored raw untried when
+/// the ratio comes first; a caller for which speed comes first (the wire codec: 7.5) passes
+/// a lower bound to [`choose`].
 pub const RAW_ENTROPY: f64 = 7.9;
 /// Planes shorter than this are stored raw: no coder pays for its header there.
 const MIN_CODED: usize = 64;
