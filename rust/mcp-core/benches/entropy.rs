@@ -58,7 +58,9 @@ fn main() {
         let plane: Vec<u8> = x.iter().map(|f| f.to_le_bytes()[p]).collect();
         // Output buffers are reused, as the codecs do: fresh allocations would time page
         // faults.
-        let mut coded: Vec<Vec<u8>> = vec![Vec::with_capacity(2 * PLANE); N / PLANE];
+        let mut coded: Vec<Vec<u8>> = (0..N / PLANE)
+            .map(|_| Vec::with_capacity(2 * PLANE))
+            .collect();
         let t_he = best(|| {
             for (c, o) in plane.chunks(PLANE).zip(&mut coded) {
                 o.clear();
