@@ -30,7 +30,7 @@
 //! ```
 
 /// The longest code, in bits: the decoding table (`2^MAX_BITS` × 2 bytes) stays in L1, and
-/// five codes fit the 56 bits a bit-reader refill guarantees.
+/// five codes fit the 57 bits a bit-reader refill guarantees.
 pub const MAX_BITS: u32 = 11;
 /// Bytes of header before the streams.
 pub const HEADER_LEN: usize = LENGTHS_LEN + 12;
@@ -474,7 +474,7 @@ impl BitWriter {
     /// Stores the buffer and keeps the bits of the last partial byte.
     #[inline(always)]
     fn flush(&mut self, buf: &mut [u8]) {
-        // The regions are sized for the worst case plus a word: always in bounds.
+        // Each stream's region is its exact size plus GAP: always in bounds.
         if let Some(d) = buf.get_mut(self.pos..self.pos + 8) {
             d.copy_from_slice(&self.bits.to_le_bytes());
         }
