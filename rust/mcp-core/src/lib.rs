@@ -13,6 +13,7 @@ pub mod codec;
 pub mod collectives;
 pub mod delta;
 pub mod dtype;
+pub mod entropy;
 pub mod error;
 pub mod fec;
 pub mod group;

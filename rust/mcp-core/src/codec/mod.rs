@@ -1,5 +1,5 @@
 //! Wire compression for collective payloads: fp16/bf16 narrowing, blockwise int8
-//! quantisation, and lossless byte-plane + zstd coding, with error feedback for the lossy
+//! quantisation, and lossless byte-plane + Huffman/zstd coding, with error feedback for the lossy
 //! ones.
 //!
 //! Every codec turns `n` elements of a [`DType`] into bytes ([`encode`]) and back
@@ -54,7 +54,8 @@ pub enum CodecKind {
         /// Elements per scale (at least 1).
         block: u32,
     },
-    /// Byte-plane split then zstd level 1 per plane; bit-exact for every dtype.
+    /// Byte-plane split then Huffman, zstd level 1 or raw per plane (by sampled entropy);
+    /// bit-exact for every dtype.
     Lossless,
 }
 
