@@ -251,7 +251,11 @@ impl<T: Transport> Group<T> {
             let mut res = body(inner.clone(), owned).await;
             let mb = inner.t.mailbox();
             if let Some(remote) = mb.take_remote_abort(lane, seq) {
-                if res.is_ok() {
+                // A lost peer here may be one that reported the root cause and left: a send
+                // to it fails before this rank reads its abort. Report the cause.
+                let echo = matches!(res, Err(Error::PeerLost { .. }))
+                    && !matches!(remote, Error::PeerLost { .. });
+                if res.is_ok() || echo {
                     res = Err(remote);
                 }
             }

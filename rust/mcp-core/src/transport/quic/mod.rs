@@ -960,9 +960,22 @@ impl Transport for QuicTransport {
         payload: &'a [u8],
     ) -> Result<()> {
         let conn = self.conn(peer).await?;
-        self.write_frame(peer, &conn, header, payload)
-            .await
-            .map_err(|e| map_write(e, peer))
+        match self.write_frame(peer, &conn, header, payload).await {
+            Ok(()) => Ok(()),
+            Err(e) => match map_write(e, peer) {
+                // We closed the connection because the peer left or fell silent, not because
+                // this process is closing: say so.
+                Error::Closed(_) if !self.closing.load(Ordering::Acquire) => Err(self
+                    .mailbox
+                    .peer_error(peer)
+                    .unwrap_or_else(|| Error::PeerLost {
+                        rank: peer,
+                        op: "send".into(),
+                        reason: "the connection was closed".into(),
+                    })),
+                e => Err(e),
+            },
+        }
     }
 
     fn expect_from(&self, peer: usize) {
