@@ -31,27 +31,9 @@ impl Method {
     }
 }
 
-/// Order-0 entropy in bits per byte estimated from a sample of at most 64 Ki bytes spread
-/// over the plane.
-pub(crate) fn sampled_entropy(plane: &[u8]) -> f64 {
-    let mut hist = [0u32; 256];
-    let step = (plane.len() / 65536).max(1);
-    let mut total = 0u32;
-    for b in plane.iter().step_by(step) {
-        hist[usize::from(*b)] += 1;
-        total += 1;
-    }
-    if total == 0 {
-        return 0.0;
-    }
-    let t = f64::from(total);
-    hist.iter()
-        .filter(|&&c| c > 0)
-        .map(|&c| {
-            let p = f64::from(c) / t;
-            -p * p.log2()
-        })
-        .sum()
+/// The delta coder samples up to 64 Ki bytes of a plane to estimate its entropy.
+fn sampled_entropy(plane: &[u8]) -> f64 {
+    crate::entropy::sampled_entropy_with(plane, 65_536)
 }
 
 /// Above this sampled entropy (bits per byte) a plane is stored raw without trying zstd.

@@ -14,4 +14,6 @@
 pub mod huffman;
 mod sample;
 
-pub use sample::{choose, sampled_entropy, Choice, RAW_ENTROPY, ZSTD_ENTROPY};
+pub use sample::{
+    choose, sampled_entropy, sampled_entropy_with, Choice, RAW_ENTROPY, ZSTD_ENTROPY,
+};

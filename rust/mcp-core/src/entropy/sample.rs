@@ -46,9 +46,14 @@ const SAMPLE: usize = 8192;
 /// Order-0 entropy in bits per byte estimated from a sample of at most [`SAMPLE`] bytes
 /// spread evenly over `plane` (0 for an empty plane).
 pub fn sampled_entropy(plane: &[u8]) -> f64 {
+    sampled_entropy_with(plane, SAMPLE)
+}
+
+/// [`sampled_entropy`] from a sample of at most `sample` bytes (at least 1).
+pub fn sampled_entropy_with(plane: &[u8], sample: usize) -> f64 {
     // Four tables, so that runs of one byte do not serialise the increments.
     let mut hist = [[0u32; 256]; 4];
-    let step = (plane.len() / SAMPLE).max(1);
+    let step = (plane.len() / sample.max(1)).max(1);
     let mut total = 0u32;
     for (i, b) in plane.iter().step_by(step).enumerate() {
         hist[i & 3][usize::from(*b)] += 1;
