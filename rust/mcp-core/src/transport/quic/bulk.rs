@@ -244,22 +244,11 @@ impl QuicTransport {
         conn: &Connection,
         shard: Bytes,
     ) -> std::result::Result<(), WriteFail> {
-        let shard = match &self.corrupter {
-            Some(rng) => {
-                let flip = {
-                    let mut rng = rng.lock().unwrap_or_else(|p| p.into_inner());
-                    let p = self.cfg.chaos.map(|c| c.corrupt).unwrap_or(0.0);
-                    rand::Rng::random_bool(&mut *rng, p.clamp(0.0, 1.0))
-                        .then(|| rand::Rng::random_range(&mut *rng, 0..shard.len() * 8))
-                };
-                match flip {
-                    Some(bit) => {
-                        let mut v = shard.to_vec();
-                        v[bit / 8] ^= 1 << (bit % 8);
-                        Bytes::from(v)
-                    }
-                    None => shard,
-                }
+        let shard = match self.corruption_bit(shard.len()) {
+            Some(bit) => {
+                let mut v = shard.to_vec();
+                v[bit / 8] ^= 1 << (bit % 8);
+                Bytes::from(v)
             }
             None => shard,
         };

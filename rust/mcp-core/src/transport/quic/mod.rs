@@ -502,6 +502,19 @@ impl QuicTransport {
         Ok(conn)
     }
 
+    /// With payload corruption on (`chaos` `corrupt=p`), the bit of a `len`-byte payload to
+    /// flip, drawn with probability p; `None` to send it as it is.
+    fn corruption_bit(&self, len: usize) -> Option<usize> {
+        let rng = self.corrupter.as_ref()?;
+        if len == 0 {
+            return None;
+        }
+        let mut rng = rng.lock().unwrap_or_else(|p| p.into_inner());
+        let p = self.cfg.chaos.map(|c| c.corrupt).unwrap_or(0.0);
+        rand::Rng::random_bool(&mut *rng, p.clamp(0.0, 1.0))
+            .then(|| rand::Rng::random_range(&mut *rng, 0..len * 8))
+    }
+
     async fn write_frame(
         &self,
         peer: usize,
@@ -518,29 +531,15 @@ impl QuicTransport {
         // Corruption above QUIC (as a flipped bit in host memory would be): QUIC's AEAD cannot
         // see it; the frame CRC must.
         let corrupted;
-        let payload = match &self.corrupter {
-            Some(rng)
-                if !payload.is_empty()
-                    && Lane::of(header.kind) != Lane::Control
-                    && header.kind != FrameKind::Abort =>
-            {
-                let flip = {
-                    let mut rng = rng.lock().unwrap_or_else(|p| p.into_inner());
-                    let p = self.cfg.chaos.map(|c| c.corrupt).unwrap_or(0.0);
-                    rand::Rng::random_bool(&mut *rng, p.clamp(0.0, 1.0))
-                        .then(|| rand::Rng::random_range(&mut *rng, 0..payload.len() * 8))
-                };
-                match flip {
-                    Some(bit) => {
-                        let mut copy = payload.to_vec();
-                        copy[bit / 8] ^= 1 << (bit % 8);
-                        corrupted = copy;
-                        &corrupted[..]
-                    }
-                    None => payload,
-                }
+        let data_frame = Lane::of(header.kind) != Lane::Control && header.kind != FrameKind::Abort;
+        let payload = match self.corruption_bit(if data_frame { payload.len() } else { 0 }) {
+            Some(bit) => {
+                let mut copy = payload.to_vec();
+                copy[bit / 8] ^= 1 << (bit % 8);
+                corrupted = copy;
+                &corrupted[..]
             }
-            _ => payload,
+            None => payload,
         };
         let mut buf = Vec::with_capacity(
             header.encoded_len()
