@@ -682,23 +682,7 @@ impl PsClient {
             .into_iter()
             .map(|(k, b)| tokio::spawn(f(self.clone(), k, b)))
             .collect();
-        let mut out = Vec::with_capacity(tasks.len());
-        let mut err = None;
-        for t in tasks {
-            match t.await {
-                Ok(Ok(v)) => out.push(v),
-                Ok(Err(e)) => {
-                    err.get_or_insert(e);
-                }
-                Err(e) => {
-                    err.get_or_insert(Error::Io(format!("a parameter-server task failed: {e}")));
-                }
-            }
-        }
-        match err {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        join(tasks).await
     }
 
     /// Finishes the current clock: moves to the next and waits until every server lets us
@@ -900,7 +884,7 @@ impl PsClient {
 
 /// Awaits every task (all of them, even after a failure, since they may use the caller's
 /// buffers) and returns their replies or the first error.
-async fn join(tasks: Vec<tokio::task::JoinHandle<Result<Reply>>>) -> Result<Vec<Reply>> {
+async fn join<T>(tasks: Vec<tokio::task::JoinHandle<Result<T>>>) -> Result<Vec<T>> {
     let mut out = Vec::with_capacity(tasks.len());
     let mut err = None;
     for t in tasks {
