@@ -184,6 +184,11 @@ async fn mesh_with(world: usize, tweak: impl Fn(&mut QuicConfig)) -> Vec<Arc<Qui
         .map(|r| {
             let mut c = config(r, world, master, Some(b"fec"));
             c.idle_timeout = Duration::from_secs(20);
+            // The handshakes themselves cross the lossy socket: give them a real deadline.
+            c.connect_timeout = Duration::from_secs(60);
+            // What is tested here is the lane, not the failure detector: a loaded CI machine
+            // and 20 % loss can silence a peer for more than the default 3 heartbeats.
+            c.heartbeat = Duration::from_secs(10);
             tweak(&mut c);
             tokio::spawn(QuicTransport::connect(c))
         })

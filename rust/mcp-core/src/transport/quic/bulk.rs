@@ -743,7 +743,7 @@ async fn receive_transfer(
         g.unstash(tid)
     };
     bulk.active.fetch_add(1, Ordering::Relaxed);
-    let res = run_transfer(conn, plan, &transfer, early, &mut send, recv, idle).await;
+    let res = run_transfer(conn, src, plan, &transfer, early, &mut send, recv, idle).await;
     bulk.active.fetch_sub(1, Ordering::Relaxed);
     bulk.lock().finish(tid, plan.total_len);
     let key = MsgKey::of(&header);
@@ -778,8 +778,10 @@ async fn receive_transfer(
 }
 
 /// Collects the shards of one transfer, asking for repairs, until it is complete.
+#[allow(clippy::too_many_arguments)]
 async fn run_transfer(
     conn: &Connection,
+    src: usize,
     plan: TransferPlan,
     transfer: &RxTransfer,
     early: Vec<Bytes>,
@@ -829,6 +831,9 @@ async fn run_transfer(
                     }
                     None => {
                         if transfer.is_complete() { break; }
+                        if let Some(c) = conn.close_reason() {
+                            return Err(super::map_conn_error(&c, src, &format!("rank {src}"), "receive"));
+                        }
                         return Err(Error::Protocol(format!(
                             "FEC lane: the sender ended transfer {} before it was complete",
                             plan.transfer_id

@@ -428,8 +428,11 @@ impl QuicTransport {
                     }
                 }
             }
-            let attempt =
-                Duration::from_secs(2).min(deadline.saturating_duration_since(Instant::now()));
+            // A handshake that loses packets waits out QUIC's probe timeouts (1 s, 2 s, ...
+            // before the first RTT sample): later attempts get longer, so that a lossy path
+            // still completes one instead of starting over every 2 s.
+            let attempt = handshake_attempt_timeout(backoff.attempts())
+                .min(deadline.saturating_duration_since(Instant::now()));
             let res = match tokio::time::timeout(attempt, self.dial_once(peer, addr)).await {
                 Ok(r) => r,
                 Err(_) => Err(Error::Timeout {
@@ -599,17 +602,37 @@ impl QuicTransport {
         }
     }
 
-    /// Closes every connection and the endpoint, after the frames already sent are delivered
-    /// (bounded by a few seconds): waits until the peers acknowledged every stream, tells each
-    /// peer goodbye, and waits for it to finish reading and close its side.
+    /// How long shutdown waits for a peer that has stopped answering: a live peer answers
+    /// (acknowledgements, heartbeats) well within the idle timeout.
+    fn shutdown_stall(&self) -> Duration {
+        self.cfg
+            .idle_timeout
+            .clamp(Duration::from_secs(2), Duration::from_secs(60))
+    }
+
+    /// Closes every connection and the endpoint, after the frames already sent are delivered:
+    /// waits until the peers acknowledged every stream, tells each peer goodbye, and waits for
+    /// it to finish reading and close its side. Each wait lasts while the peer still answers
+    /// (bounded by the idle timeout without an answer, four times that in all).
     pub async fn shutdown(&self) {
         if self.closing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let until = Instant::now() + Duration::from_secs(5);
-        while self.unacked_streams.load(Ordering::Acquire) > 0 && Instant::now() < until {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        let open: Vec<Connection> = self
+            .peers
+            .iter()
+            .filter_map(|s| s.conn.borrow().clone())
+            .collect();
+        // Frames still on their way (a slow, lossy link can take many seconds): wait while
+        // the peers still answer, not a fixed time.
+        let stall = self.shutdown_stall();
+        wait_while_alive(
+            || self.unacked_streams.load(Ordering::Acquire) > 0,
+            &open,
+            stall,
+            4 * stall,
+        )
+        .await;
         let conns: Vec<(usize, Connection)> = self
             .peers
             .iter()
@@ -622,11 +645,16 @@ impl QuicTransport {
             let header = rendezvous::goodbye_header(self, &payload);
             let _ = self.write_frame(*p, c, &header, &payload).await;
         }
+        // Each peer closes the connection once it has read every frame we announced.
         for (_, c) in &conns {
-            let left = until
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(200));
-            let _ = tokio::time::timeout(left, c.closed()).await;
+            let c2 = c.clone();
+            wait_while_alive(
+                move || c2.close_reason().is_none(),
+                std::slice::from_ref(c),
+                stall,
+                4 * stall,
+            )
+            .await;
         }
         self.endpoint
             .close(VarInt::from_u32(close_code::GOODBYE), b"group closed");
@@ -825,6 +853,31 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
 
 /// The peer said goodbye after sending `expected` frames: wait until we have read them all
 /// (bounded), then fail later waits on it and close our side.
+/// How long the `n`-th attempt (from 0) at a handshake may take: 2 s, doubling up to 16 s.
+fn handshake_attempt_timeout(n: u32) -> Duration {
+    Duration::from_secs(2u64 << n.min(3))
+}
+
+/// Polls `pending` until it is false, until no datagram has arrived on any of `conns` for
+/// `stall` (the peers are gone or stuck), or until `cap`.
+async fn wait_while_alive(
+    pending: impl Fn() -> bool,
+    conns: &[Connection],
+    stall: Duration,
+    cap: Duration,
+) {
+    let start = Instant::now();
+    let rx = || -> u64 { conns.iter().map(|c| c.stats().udp_rx.bytes).sum() };
+    let (mut seen, mut since) = (rx(), Instant::now());
+    while pending() && start.elapsed() < cap && since.elapsed() < stall {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let now = rx();
+        if now != seen {
+            (seen, since) = (now, Instant::now());
+        }
+    }
+}
+
 async fn farewell(
     t: &QuicTransport,
     conn: &Connection,
@@ -832,10 +885,14 @@ async fn farewell(
     expected: u64,
     received: &AtomicU64,
 ) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while received.load(Ordering::Acquire) < expected && Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let stall = t.shutdown_stall();
+    wait_while_alive(
+        || received.load(Ordering::Acquire) < expected,
+        std::slice::from_ref(conn),
+        stall,
+        4 * stall,
+    )
+    .await;
     t.mailbox.fail_peer(
         src,
         Error::PeerLost {
