@@ -602,18 +602,25 @@ impl QuicTransport {
         }
     }
 
-    /// How long shutdown waits for a peer that has stopped answering: a live peer answers
-    /// (acknowledgements, heartbeats) well within the idle timeout.
+    /// How long shutdown waits for a peer that has stopped answering. A live peer acknowledges
+    /// what we still have in flight within a few round trips, even at heavy loss; one that
+    /// exited without closing answers nothing, and is not worth the idle timeout.
     fn shutdown_stall(&self) -> Duration {
         self.cfg
             .idle_timeout
-            .clamp(Duration::from_secs(2), Duration::from_secs(60))
+            .clamp(Duration::from_secs(1), Duration::from_secs(5))
+    }
+
+    /// The longest shutdown waits for a peer that is still answering (a large frame over a
+    /// slow link): four idle timeouts.
+    fn shutdown_cap(&self) -> Duration {
+        (self.cfg.idle_timeout * 4).max(4 * self.shutdown_stall())
     }
 
     /// Closes every connection and the endpoint, after the frames already sent are delivered:
     /// waits until the peers acknowledged every stream, tells each peer goodbye, and waits for
-    /// it to finish reading and close its side. Each wait lasts while the peer still answers
-    /// (bounded by the idle timeout without an answer, four times that in all).
+    /// it to finish reading and close its side. Each wait lasts while the peers still answer
+    /// (at most 5 s without a datagram from them, four idle timeouts in all).
     pub async fn shutdown(&self) {
         if self.closing.swap(true, Ordering::AcqRel) {
             return;
@@ -625,12 +632,12 @@ impl QuicTransport {
             .collect();
         // Frames still on their way (a slow, lossy link can take many seconds): wait while
         // the peers still answer, not a fixed time.
-        let stall = self.shutdown_stall();
+        let (stall, cap) = (self.shutdown_stall(), self.shutdown_cap());
         wait_while_alive(
             || self.unacked_streams.load(Ordering::Acquire) > 0,
             &open,
             stall,
-            4 * stall,
+            cap,
         )
         .await;
         let conns: Vec<(usize, Connection)> = self
@@ -652,7 +659,7 @@ impl QuicTransport {
                 move || c2.close_reason().is_none(),
                 std::slice::from_ref(c),
                 stall,
-                4 * stall,
+                cap,
             )
             .await;
         }
@@ -885,12 +892,12 @@ async fn farewell(
     expected: u64,
     received: &AtomicU64,
 ) {
-    let stall = t.shutdown_stall();
+    let (stall, cap) = (t.shutdown_stall(), t.shutdown_cap());
     wait_while_alive(
         || received.load(Ordering::Acquire) < expected,
         std::slice::from_ref(conn),
         stall,
-        4 * stall,
+        cap,
     )
     .await;
     t.mailbox.fail_peer(
