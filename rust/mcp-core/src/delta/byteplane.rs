@@ -30,6 +30,9 @@ pub enum Transform {
     FloatSub = 3,
     /// Quantised lossy delta (see `lossy`): the lanes are zigzag-coded `i32` bin indices.
     Quant = 4,
+    /// [`Transform::FloatSub`] against `α · prev` instead of `prev` (see `predict`); the
+    /// caller passes the predicted lanes as `prev`.
+    ScaledFloatSub = 5,
 }
 
 impl Transform {
@@ -41,6 +44,7 @@ impl Transform {
             2 => Some(Transform::IntSub),
             3 => Some(Transform::FloatSub),
             4 => Some(Transform::Quant),
+            5 => Some(Transform::ScaledFloatSub),
             _ => None,
         }
     }
@@ -207,9 +211,11 @@ fn split_t<T: Word>(tr: Transform, prev: &[u8], cur: &[u8], planes: &mut [u8]) {
         Transform::Raw | Transform::Quant => split_with(&[], cur, planes, &mut words, |c, _| c),
         Transform::Xor => split_with(prev, cur, planes, &mut words, |c, p| c.xor(p)),
         Transform::IntSub => split_with(prev, cur, planes, &mut words, |c, p| c.sub_zz(p)),
-        Transform::FloatSub => split_with(prev, cur, planes, &mut words, |c, p| {
-            c.key().sub_zz(p.key())
-        }),
+        Transform::FloatSub | Transform::ScaledFloatSub => {
+            split_with(prev, cur, planes, &mut words, |c, p| {
+                c.key().sub_zz(p.key())
+            })
+        }
     }
 }
 
@@ -219,9 +225,11 @@ fn merge_t<T: Word>(tr: Transform, prev: &[u8], planes: &[u8], out: &mut [u8]) {
         Transform::Raw | Transform::Quant => merge_with(&[], planes, out, &mut words, |d, _| d),
         Transform::Xor => merge_with(prev, planes, out, &mut words, |d, p| d.xor(p)),
         Transform::IntSub => merge_with(prev, planes, out, &mut words, |d, p| d.add_unzz(p)),
-        Transform::FloatSub => merge_with(prev, planes, out, &mut words, |d, p| {
-            d.add_unzz(p.key()).unkey()
-        }),
+        Transform::FloatSub | Transform::ScaledFloatSub => {
+            merge_with(prev, planes, out, &mut words, |d, p| {
+                d.add_unzz(p.key()).unkey()
+            })
+        }
     }
 }
 

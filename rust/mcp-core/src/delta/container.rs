@@ -5,7 +5,8 @@
 //!          nbytes u64 | chunk_bytes u32 | n_chunks u32 | content hash u64 (xxh3-64 of the
 //!          tensor a decoder rebuilds) | max_abs_error f64 | ndim × dim u64
 //!          | n_chunks × coded chunk length u32 | crc32c of all the above u32
-//! chunk    transform u8 | lane width u8 | n_planes u8 | n_planes × (method u8, length u32)
+//! chunk    transform u8 | lane width u8 | n_planes u8 | [scale factor α f32, only for the
+//!          scaled float transform] | n_planes × (method u8, length u32)
 //!          | the planes' payloads | crc32c of the chunk's preceding bytes u32
 //! ```
 //! All integers are little-endian. Chunk `i` covers bytes `[i·chunk_bytes, (i+1)·chunk_bytes)`
@@ -18,6 +19,7 @@ use super::dtype::{DType, Lane};
 use super::entropy::{Method, PlaneDecoder, PlaneEncoder};
 use super::error::{DeltaError, Result};
 use super::lossy;
+use super::predict;
 
 const MAGIC: &[u8; 4] = b"MCDT";
 const VERSION: u8 = 1;
@@ -261,6 +263,7 @@ fn tensor_len(dtype: DType, shape: &[u64]) -> Option<u64> {
 struct Scratch {
     planes: Vec<u8>,
     quant: Vec<u8>,
+    predicted: Vec<u8>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -290,15 +293,30 @@ fn encode_chunk(
         }
     }
     sc.planes.resize(lanes.len(), 0);
-    let p = if matches!(tr, Transform::Raw | Transform::Quant) {
+    let mut p = if matches!(tr, Transform::Raw | Transform::Quant) {
         &[][..]
     } else {
         prev
     };
+    let mut alpha = None;
+    if tr == Transform::FloatSub {
+        if let Some(f) = predict::Format::of(dtype) {
+            alpha = predict::estimate(f, prev, cur);
+            if let Some(a) = alpha {
+                sc.predicted.resize(prev.len(), 0);
+                predict::predict_into(f, prev, a, &mut sc.predicted);
+                p = &sc.predicted;
+                tr = Transform::ScaledFloatSub;
+            }
+        }
+    }
     byteplane::split(tr, width, p, lanes, &mut sc.planes);
     let n = lanes.len() / width;
-    let mut out = Vec::with_capacity(3 + 5 * width);
+    let mut out = Vec::with_capacity(7 + 5 * width);
     out.extend_from_slice(&[tr as u8, width as u8, width as u8]);
+    if let Some(a) = alpha {
+        out.extend_from_slice(&a.to_le_bytes());
+    }
     let table = out.len();
     out.resize(table + 5 * width, 0);
     let mut lens = Vec::with_capacity(width);
@@ -406,6 +424,7 @@ pub fn encode(
                     Scratch {
                         planes: Vec::new(),
                         quant: Vec::new(),
+                        predicted: Vec::new(),
                     },
                 ))
             },
@@ -582,9 +601,11 @@ pub fn read_info(blob: &[u8]) -> Result<BlobInfo> {
     Ok(info)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn decode_chunk(
     dec: &mut PlaneDecoder,
     planes: &mut Vec<u8>,
+    predicted: &mut Vec<u8>,
     info: &BlobInfo,
     index: usize,
     chunk: &[u8],
@@ -615,10 +636,12 @@ fn decode_chunk(
     } else {
         dtype.lane_width()
     };
+    let format = predict::Format::of(dtype);
+    let scaled = tr == Transform::ScaledFloatSub && format.is_some();
     let allowed = match info.mode {
         Mode::Full => tr == Transform::Raw,
-        Mode::Delta => tr == lossless,
-        Mode::Lossy => tr == lossless || (tr == Transform::Quant && dtype.is_float()),
+        Mode::Delta => tr == lossless || scaled,
+        Mode::Lossy => tr == lossless || scaled || (tr == Transform::Quant && dtype.is_float()),
         Mode::Unchanged => false,
     };
     if !allowed || width != expect_width || n_planes != width {
@@ -628,6 +651,15 @@ fn decode_chunk(
             dtype.name()
         )));
     }
+    let alpha = if tr == Transform::ScaledFloatSub {
+        let a = f32::from_bits(r.u32("scale factor")?);
+        if !predict::valid_alpha(a) {
+            return Err(corrupt(format!("scale factor {a} out of range")));
+        }
+        Some(a)
+    } else {
+        None
+    };
     let lanes_len = if tr == Transform::Quant {
         out.len() / dtype.size() * 4
     } else {
@@ -664,6 +696,15 @@ fn decode_chunk(
         }
         Transform::Raw => {
             byteplane::merge(tr, width, &[], planes, out);
+            Ok(())
+        }
+        Transform::ScaledFloatSub => {
+            let (Some(f), Some(a)) = (format, alpha) else {
+                return Err(corrupt("a scaled chunk without its factor".into()));
+            };
+            predicted.resize(prev.len(), 0);
+            predict::predict_into(f, prev, a, predicted);
+            byteplane::merge(tr, width, predicted, planes, out);
             Ok(())
         }
         _ => {
@@ -726,8 +767,10 @@ pub fn decode_into(
         run_parallel(
             work,
             threads(threads_requested),
-            || Ok((PlaneDecoder::new()?, Vec::new())),
-            |(dec, planes), (i, c, p, o)| decode_chunk(dec, planes, &info, i, c, p, o),
+            || Ok((PlaneDecoder::new()?, Vec::new(), Vec::new())),
+            |(dec, planes, predicted), (i, c, p, o)| {
+                decode_chunk(dec, planes, predicted, &info, i, c, p, o)
+            },
         )?;
     }
     let actual = content_hash(out);

@@ -3,7 +3,9 @@
 //!
 //! The pipeline, per independently coded chunk of [`DEFAULT_CHUNK_BYTES`]:
 //! 1. transform every element against the previous one — XOR for opaque bytes, wrapping
-//!    difference for integers, ulp distance for floats (`byteplane`);
+//!    difference for integers, ulp distance for floats (`byteplane`), for floats against
+//!    `α · prev` when one factor `α` explains much of the chunk's change (`predict`: weight
+//!    decay, Adam's moment decay);
 //! 2. split the transformed elements into byte planes (4 for `float32`, 2 for `bfloat16`);
 //! 3. store each plane as a constant, zstd, or raw, whichever is smallest (`entropy`).
 //!
@@ -29,6 +31,7 @@ mod dtype;
 mod entropy;
 mod error;
 mod lossy;
+mod predict;
 
 pub use byteplane::Transform;
 pub use container::{

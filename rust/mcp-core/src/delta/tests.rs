@@ -293,3 +293,86 @@ proptest! {
         round_trip(dtype, None, &cur, &opts(chunk, 1));
     }
 }
+
+/// The first chunk's transform code.
+fn first_transform(blob: &[u8]) -> u8 {
+    blob[read_info(blob).unwrap().header_len]
+}
+
+#[test]
+fn a_common_decay_factor_is_predicted_exactly() {
+    // cur = 0.9 · prev, computed in each format: coded against the scaled previous tensor,
+    // every ulp distance is zero, except at the special values (kept as they are).
+    let n = 20_000usize;
+    let vals: Vec<f64> = (0..n)
+        .map(|i| ((i * 7919 % 10_007) as f64 - 5003.0) * 1e-4)
+        .collect();
+    for dtype in [DType::F32, DType::C64, DType::BF16, DType::F64, DType::C128] {
+        let (prev, cur): (Vec<u8>, Vec<u8>) = match dtype {
+            DType::F32 | DType::C64 => (
+                vals.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect(),
+                vals.iter()
+                    .flat_map(|&v| ((v as f32) * 0.9f32).to_le_bytes())
+                    .collect(),
+            ),
+            DType::F64 | DType::C128 => (
+                vals.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+                vals.iter()
+                    .flat_map(|&v| (v * f64::from(0.9f32)).to_le_bytes())
+                    .collect(),
+            ),
+            _ => {
+                // bfloat16 by truncation of float32 values that are exact in bfloat16
+                let bf = |x: f32| ((x.to_bits() >> 16) as u16).to_le_bytes();
+                let p: Vec<f32> = vals
+                    .iter()
+                    .map(|&v| f32::from_bits((v as f32).to_bits() & 0xffff_0000))
+                    .collect();
+                (
+                    p.iter().flat_map(|&x| bf(x)).collect(),
+                    p.iter().flat_map(|&x| bf(x * 0.75)).collect(),
+                )
+            }
+        };
+        let len = cur.len() - cur.len() % dtype.size();
+        let (mut prev, mut cur) = (prev[..len].to_vec(), cur[..len].to_vec());
+        // Special values in both, and a few changed elements.
+        let sp = specials(dtype);
+        let m = sp.len().min(prev.len() / 2);
+        prev[..m].copy_from_slice(&sp[..m]);
+        cur[..m].copy_from_slice(&sp[..m]);
+        cur[m] ^= 0x5a;
+        let blob = round_trip(dtype, Some(&prev), &cur, &opts(1 << 20, 2));
+        assert_eq!(first_transform(&blob), 5, "{dtype:?}: the scaled transform");
+        assert!(
+            blob.len() * 20 < cur.len(),
+            "{dtype:?}: {} bytes of {}",
+            blob.len(),
+            cur.len()
+        );
+        // Against an unrelated tensor the factor is not used.
+        let noise = lcg_bytes(9, cur.len());
+        let blob = round_trip(dtype, Some(&noise), &cur, &opts(1 << 20, 1));
+        assert_eq!(first_transform(&blob), 3, "{dtype:?}: plain ulp distance");
+    }
+}
+
+#[test]
+fn a_scale_factor_out_of_range_is_corrupt() {
+    let (prev, blob) = sample_blob();
+    let at = read_info(&blob).unwrap().header_len;
+    assert_eq!(blob[at], 5);
+    for bad in [0.0f32, f32::NAN, f32::INFINITY, 1e-20, 1e20] {
+        let mut b = blob.clone();
+        b[at + 3..at + 7].copy_from_slice(&bad.to_le_bytes());
+        // Re-seal the chunk so that only the factor is wrong.
+        let info = read_info(&b).unwrap();
+        let end = at + info.chunk_lens[0] as usize;
+        let crc = crc32c::crc32c(&b[at..end - 4]);
+        b[end - 4..end].copy_from_slice(&crc.to_le_bytes());
+        match decode(&b, Some(&prev), 1) {
+            Err(DeltaError::Corrupt(m)) => assert!(m.contains("scale factor"), "{m}"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+}
