@@ -10,6 +10,8 @@
 //! extracts a byte of each word. Each of those loops is a plain loop over slices that LLVM
 //! vectorises (SSE2 by default, AVX2 when the crate is built for it).
 
+use super::predict::Scaled;
+
 /// Lanes per block (fits the scratch words and the planes' slices in L1/L2).
 const BLOCK: usize = 4096;
 
@@ -30,8 +32,8 @@ pub enum Transform {
     FloatSub = 3,
     /// Quantised lossy delta (see `lossy`): the lanes are zigzag-coded `i32` bin indices.
     Quant = 4,
-    /// [`Transform::FloatSub`] against `α · prev` instead of `prev` (see `predict`); the
-    /// caller passes the predicted lanes as `prev`.
+    /// [`Transform::FloatSub`] against `α · prev` instead of `prev` (see `predict`), the
+    /// prediction computed lane by lane in the same pass.
     ScaledFloatSub = 5,
 }
 
@@ -205,58 +207,87 @@ fn merge_with<T: Word>(
     }
 }
 
-fn split_t<T: Word>(tr: Transform, prev: &[u8], cur: &[u8], planes: &mut [u8]) {
+fn split_t<T: Word + Scaled>(
+    tr: Transform,
+    alpha: f32,
+    prev: &[u8],
+    cur: &[u8],
+    planes: &mut [u8],
+) {
     let mut words = vec![T::default(); BLOCK.min(cur.len() / T::W)];
     match tr {
         Transform::Raw | Transform::Quant => split_with(&[], cur, planes, &mut words, |c, _| c),
         Transform::Xor => split_with(prev, cur, planes, &mut words, |c, p| c.xor(p)),
         Transform::IntSub => split_with(prev, cur, planes, &mut words, |c, p| c.sub_zz(p)),
-        Transform::FloatSub | Transform::ScaledFloatSub => {
-            split_with(prev, cur, planes, &mut words, |c, p| {
-                c.key().sub_zz(p.key())
-            })
-        }
+        Transform::FloatSub => split_with(prev, cur, planes, &mut words, |c, p| {
+            c.key().sub_zz(p.key())
+        }),
+        Transform::ScaledFloatSub => split_with(prev, cur, planes, &mut words, |c, p| {
+            c.key().sub_zz(p.scaled(alpha).key())
+        }),
     }
 }
 
-fn merge_t<T: Word>(tr: Transform, prev: &[u8], planes: &[u8], out: &mut [u8]) {
+fn merge_t<T: Word + Scaled>(
+    tr: Transform,
+    alpha: f32,
+    prev: &[u8],
+    planes: &[u8],
+    out: &mut [u8],
+) {
     let mut words = vec![T::default(); BLOCK.min(out.len() / T::W)];
     match tr {
         Transform::Raw | Transform::Quant => merge_with(&[], planes, out, &mut words, |d, _| d),
         Transform::Xor => merge_with(prev, planes, out, &mut words, |d, p| d.xor(p)),
         Transform::IntSub => merge_with(prev, planes, out, &mut words, |d, p| d.add_unzz(p)),
-        Transform::FloatSub | Transform::ScaledFloatSub => {
-            merge_with(prev, planes, out, &mut words, |d, p| {
-                d.add_unzz(p.key()).unkey()
-            })
-        }
+        Transform::FloatSub => merge_with(prev, planes, out, &mut words, |d, p| {
+            d.add_unzz(p.key()).unkey()
+        }),
+        Transform::ScaledFloatSub => merge_with(prev, planes, out, &mut words, |d, p| {
+            d.add_unzz(p.scaled(alpha).key()).unkey()
+        }),
     }
 }
 
 /// Transforms `cur` against `prev` (empty for [`Transform::Raw`]) lane by lane and writes
-/// the `width` byte planes into `planes` (`planes.len() == cur.len()`).
+/// the `width` byte planes into `planes` (`planes.len() == cur.len()`); `alpha` is the
+/// factor of [`Transform::ScaledFloatSub`] (ignored by the others).
 ///
 /// The caller guarantees `width` ∈ {1, 2, 4, 8}, `cur.len()` a multiple of `width`,
 /// `planes.len() == cur.len()` and `prev` empty or as long as `cur`.
-pub(crate) fn split(tr: Transform, width: usize, prev: &[u8], cur: &[u8], planes: &mut [u8]) {
+pub(crate) fn split(
+    tr: Transform,
+    width: usize,
+    alpha: f32,
+    prev: &[u8],
+    cur: &[u8],
+    planes: &mut [u8],
+) {
     debug_assert_eq!(planes.len(), cur.len());
     debug_assert!(prev.is_empty() || prev.len() == cur.len());
     match width {
-        1 => split_t::<u8>(tr, prev, cur, planes),
-        2 => split_t::<u16>(tr, prev, cur, planes),
-        4 => split_t::<u32>(tr, prev, cur, planes),
-        _ => split_t::<u64>(tr, prev, cur, planes),
+        1 => split_t::<u8>(tr, alpha, prev, cur, planes),
+        2 => split_t::<u16>(tr, alpha, prev, cur, planes),
+        4 => split_t::<u32>(tr, alpha, prev, cur, planes),
+        _ => split_t::<u64>(tr, alpha, prev, cur, planes),
     }
 }
 
 /// Inverse of [`split`]: rebuilds the lanes from the planes and `prev` into `out`.
-pub(crate) fn merge(tr: Transform, width: usize, prev: &[u8], planes: &[u8], out: &mut [u8]) {
+pub(crate) fn merge(
+    tr: Transform,
+    width: usize,
+    alpha: f32,
+    prev: &[u8],
+    planes: &[u8],
+    out: &mut [u8],
+) {
     debug_assert_eq!(planes.len(), out.len());
     match width {
-        1 => merge_t::<u8>(tr, prev, planes, out),
-        2 => merge_t::<u16>(tr, prev, planes, out),
-        4 => merge_t::<u32>(tr, prev, planes, out),
-        _ => merge_t::<u64>(tr, prev, planes, out),
+        1 => merge_t::<u8>(tr, alpha, prev, planes, out),
+        2 => merge_t::<u16>(tr, alpha, prev, planes, out),
+        4 => merge_t::<u32>(tr, alpha, prev, planes, out),
+        _ => merge_t::<u64>(tr, alpha, prev, planes, out),
     }
 }
 
@@ -283,12 +314,13 @@ mod tests {
                     Transform::Xor,
                     Transform::IntSub,
                     Transform::FloatSub,
+                    Transform::ScaledFloatSub,
                 ] {
                     let p: &[u8] = if tr == Transform::Raw { &[] } else { &prev };
                     let mut planes = vec![0u8; cur.len()];
-                    split(tr, width, p, &cur, &mut planes);
+                    split(tr, width, 0.9, p, &cur, &mut planes);
                     let mut out = vec![0u8; cur.len()];
-                    merge(tr, width, p, &planes, &mut out);
+                    merge(tr, width, 0.9, p, &planes, &mut out);
                     assert_eq!(out, cur, "width {width} n {n} {tr:?}");
                 }
             }
@@ -299,7 +331,7 @@ mod tests {
     fn planes_hold_the_bytes_of_each_lane() {
         let cur = [0x11u8, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88];
         let mut planes = [0u8; 8];
-        split(Transform::Raw, 4, &[], &cur, &mut planes);
+        split(Transform::Raw, 4, 1.0, &[], &cur, &mut planes);
         assert_eq!(planes, [0x11, 0x55, 0x22, 0x66, 0x33, 0x77, 0x44, 0x88]);
     }
 

@@ -263,7 +263,6 @@ fn tensor_len(dtype: DType, shape: &[u64]) -> Option<u64> {
 struct Scratch {
     planes: Vec<u8>,
     quant: Vec<u8>,
-    predicted: Vec<u8>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -293,24 +292,19 @@ fn encode_chunk(
         }
     }
     sc.planes.resize(lanes.len(), 0);
-    let mut p = if matches!(tr, Transform::Raw | Transform::Quant) {
+    let p = if matches!(tr, Transform::Raw | Transform::Quant) {
         &[][..]
     } else {
         prev
     };
-    let mut alpha = None;
-    if tr == Transform::FloatSub {
-        if let Some(f) = predict::Format::of(dtype) {
-            alpha = predict::estimate(f, prev, cur);
-            if let Some(a) = alpha {
-                sc.predicted.resize(prev.len(), 0);
-                predict::predict_into(f, prev, a, &mut sc.predicted);
-                p = &sc.predicted;
-                tr = Transform::ScaledFloatSub;
-            }
-        }
+    let alpha = match (tr, predict::Format::of(dtype)) {
+        (Transform::FloatSub, Some(f)) => predict::estimate(f, prev, cur),
+        _ => None,
+    };
+    if alpha.is_some() {
+        tr = Transform::ScaledFloatSub;
     }
-    byteplane::split(tr, width, p, lanes, &mut sc.planes);
+    byteplane::split(tr, width, alpha.unwrap_or(1.0), p, lanes, &mut sc.planes);
     let n = lanes.len() / width;
     let mut out = Vec::with_capacity(7 + 5 * width);
     out.extend_from_slice(&[tr as u8, width as u8, width as u8]);
@@ -424,7 +418,6 @@ pub fn encode(
                     Scratch {
                         planes: Vec::new(),
                         quant: Vec::new(),
-                        predicted: Vec::new(),
                     },
                 ))
             },
@@ -601,11 +594,9 @@ pub fn read_info(blob: &[u8]) -> Result<BlobInfo> {
     Ok(info)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn decode_chunk(
     dec: &mut PlaneDecoder,
     planes: &mut Vec<u8>,
-    predicted: &mut Vec<u8>,
     info: &BlobInfo,
     index: usize,
     chunk: &[u8],
@@ -688,27 +679,18 @@ fn decode_chunk(
         Transform::Quant => {
             let mut q = std::mem::take(planes);
             let mut lanes = vec![0u8; lanes_len];
-            byteplane::merge(Transform::Raw, 4, &[], &q, &mut lanes);
+            byteplane::merge(Transform::Raw, 4, 1.0, &[], &q, &mut lanes);
             let res = lossy::dequantize(dtype, prev, &lanes, info.max_abs_error, out);
             q.clear();
             *planes = q;
             res
         }
         Transform::Raw => {
-            byteplane::merge(tr, width, &[], planes, out);
-            Ok(())
-        }
-        Transform::ScaledFloatSub => {
-            let (Some(f), Some(a)) = (format, alpha) else {
-                return Err(corrupt("a scaled chunk without its factor".into()));
-            };
-            predicted.resize(prev.len(), 0);
-            predict::predict_into(f, prev, a, predicted);
-            byteplane::merge(tr, width, predicted, planes, out);
+            byteplane::merge(tr, width, 1.0, &[], planes, out);
             Ok(())
         }
         _ => {
-            byteplane::merge(tr, width, prev, planes, out);
+            byteplane::merge(tr, width, alpha.unwrap_or(1.0), prev, planes, out);
             Ok(())
         }
     }
@@ -767,10 +749,8 @@ pub fn decode_into(
         run_parallel(
             work,
             threads(threads_requested),
-            || Ok((PlaneDecoder::new()?, Vec::new(), Vec::new())),
-            |(dec, planes, predicted), (i, c, p, o)| {
-                decode_chunk(dec, planes, predicted, &info, i, c, p, o)
-            },
+            || Ok((PlaneDecoder::new()?, Vec::new())),
+            |(dec, planes), (i, c, p, o)| decode_chunk(dec, planes, &info, i, c, p, o),
         )?;
     }
     let actual = content_hash(out);

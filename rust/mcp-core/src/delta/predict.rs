@@ -34,6 +34,7 @@ pub(crate) enum Format {
 impl Format {
     /// The format the predictor uses for `dtype`, if it scales it (not float16: its
     /// rounding from float32 would need a conversion every CPU agrees on, for little gain).
+    /// The lane width alone picks the format in [`Scaled`]: 2 bytes are bfloat16.
     pub(crate) fn of(dtype: DType) -> Option<Format> {
         match dtype {
             DType::BF16 => Some(Format::Bf16),
@@ -95,12 +96,20 @@ fn key(v: u64, bits: u32) -> i64 {
     k as i64
 }
 
+/// Whether an exponent field (of `bits` bits, all ones = inf/NaN) marks a normal number.
+#[inline(always)]
+fn normal_exp(e: u32, all_ones: u32) -> bool {
+    e.wrapping_sub(1) < all_ones - 1
+}
+
+// Written without branches, on the bit patterns, so that LLVM vectorises the loops of
+// `predict_into` (a select per lane instead of a jump).
 #[inline(always)]
 fn predict_f32(p: u32, alpha: f32) -> u32 {
-    let x = f32::from_bits(p);
-    let y = x * alpha;
-    if x.is_normal() && y.is_normal() {
-        y.to_bits()
+    let y = (f32::from_bits(p) * alpha).to_bits();
+    let ok = normal_exp((p >> 23) & 0xff, 0xff) & normal_exp((y >> 23) & 0xff, 0xff);
+    if ok {
+        y
     } else {
         p
     }
@@ -108,10 +117,11 @@ fn predict_f32(p: u32, alpha: f32) -> u32 {
 
 #[inline(always)]
 fn predict_f64(p: u64, alpha: f32) -> u64 {
-    let x = f64::from_bits(p);
-    let y = x * f64::from(alpha);
-    if x.is_normal() && y.is_normal() {
-        y.to_bits()
+    let y = (f64::from_bits(p) * f64::from(alpha)).to_bits();
+    let ok = normal_exp(((p >> 52) & 0x7ff) as u32, 0x7ff)
+        & normal_exp(((y >> 52) & 0x7ff) as u32, 0x7ff);
+    if ok {
+        y
     } else {
         p
     }
@@ -119,13 +129,15 @@ fn predict_f64(p: u64, alpha: f32) -> u64 {
 
 #[inline(always)]
 fn predict_bf16(p: u16, alpha: f32) -> u16 {
-    let x = f32::from_bits(u32::from(p) << 16);
-    let y = (x * alpha).to_bits();
+    let x = u32::from(p) << 16;
+    let y = (f32::from_bits(x) * alpha).to_bits();
     // Round to nearest, ties to even, in integers.
-    let r = (y.wrapping_add(0x7fff + ((y >> 16) & 1)) >> 16) as u16;
-    let exp = (r >> 7) & 0xff;
-    if x.is_normal() && f32::from_bits(y).is_normal() && exp != 0 && exp != 0xff {
-        r
+    let r = y.wrapping_add(0x7fff + ((y >> 16) & 1)) >> 16;
+    let ok = normal_exp((x >> 23) & 0xff, 0xff)
+        & normal_exp((y >> 23) & 0xff, 0xff)
+        & normal_exp((r >> 7) & 0xff, 0xff);
+    if ok {
+        r as u16
     } else {
         p
     }
@@ -188,30 +200,38 @@ fn bit_len(d: i64) -> u64 {
     u64::from(64 - d.unsigned_abs().leading_zeros())
 }
 
-/// Writes `α · prev`, lane by lane, into `out` (`out.len() == prev.len()`, a whole number of
-/// lanes). Plain loops over slices, which LLVM vectorises.
-pub(crate) fn predict_into(format: Format, prev: &[u8], alpha: f32, out: &mut [u8]) {
-    debug_assert_eq!(prev.len(), out.len());
-    match format {
-        Format::Bf16 => {
-            for (o, p) in out.chunks_exact_mut(2).zip(prev.chunks_exact(2)) {
-                let v = predict_bf16(u16::from_le_bytes([p[0], p[1]]), alpha);
-                o.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        Format::F32 => {
-            for (o, p) in out.chunks_exact_mut(4).zip(prev.chunks_exact(4)) {
-                let v = predict_f32(u32::from_le_bytes([p[0], p[1], p[2], p[3]]), alpha);
-                o.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        Format::F64 => {
-            for (o, p) in out.chunks_exact_mut(8).zip(prev.chunks_exact(8)) {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(p);
-                o.copy_from_slice(&predict_f64(u64::from_le_bytes(a), alpha).to_le_bytes());
-            }
-        }
+/// A lane the predictor scales: `α ·` the value its bits hold, or the lane itself where that
+/// is not a normal number. Byte lanes (no float format) are never scaled.
+pub(crate) trait Scaled: Sized {
+    /// The predicted lane.
+    fn scaled(self, alpha: f32) -> Self;
+}
+
+impl Scaled for u8 {
+    #[inline(always)]
+    fn scaled(self, _alpha: f32) -> u8 {
+        self
+    }
+}
+
+impl Scaled for u16 {
+    #[inline(always)]
+    fn scaled(self, alpha: f32) -> u16 {
+        predict_bf16(self, alpha)
+    }
+}
+
+impl Scaled for u32 {
+    #[inline(always)]
+    fn scaled(self, alpha: f32) -> u32 {
+        predict_f32(self, alpha)
+    }
+}
+
+impl Scaled for u64 {
+    #[inline(always)]
+    fn scaled(self, alpha: f32) -> u64 {
+        predict_f64(self, alpha)
     }
 }
 

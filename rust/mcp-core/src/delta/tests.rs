@@ -310,7 +310,9 @@ fn a_common_decay_factor_is_predicted_exactly() {
     for dtype in [DType::F32, DType::C64, DType::BF16, DType::F64, DType::C128] {
         let (prev, cur): (Vec<u8>, Vec<u8>) = match dtype {
             DType::F32 | DType::C64 => (
-                vals.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect(),
+                vals.iter()
+                    .flat_map(|&v| (v as f32).to_le_bytes())
+                    .collect(),
                 vals.iter()
                     .flat_map(|&v| ((v as f32) * 0.9f32).to_le_bytes())
                     .collect(),
