@@ -16,7 +16,7 @@
 use super::dtype::DType;
 
 /// Lanes sampled to estimate `α`.
-const SAMPLE: usize = 2048;
+const SAMPLE: usize = 1024;
 /// The estimate is kept only when it shrinks the sampled cost by at least this fraction.
 const MIN_GAIN: f64 = 0.01;
 
@@ -52,26 +52,12 @@ impl Format {
         }
     }
 
-    /// Lane `i` of `b` as an f64 value and its order-preserving key.
-    fn lane(self, b: &[u8], i: usize) -> (f64, i64) {
-        let w = self.width();
-        let s = &b[i * w..(i + 1) * w];
+    /// The value of a lane's bits.
+    fn value(self, bits: u64) -> f64 {
         match self {
-            Format::Bf16 => {
-                let v = u16::from_le_bytes([s[0], s[1]]);
-                let f = f32::from_bits(u32::from(v) << 16);
-                (f64::from(f), key(u64::from(v), 16))
-            }
-            Format::F32 => {
-                let v = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                (f64::from(f32::from_bits(v)), key(u64::from(v), 32))
-            }
-            Format::F64 => {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(s);
-                let v = u64::from_le_bytes(a);
-                (f64::from_bits(v), key(v, 64))
-            }
+            Format::Bf16 => f64::from(f32::from_bits((bits as u32) << 16)),
+            Format::F32 => f64::from(f32::from_bits(bits as u32)),
+            Format::F64 => f64::from_bits(bits),
         }
     }
 
@@ -159,14 +145,16 @@ pub(crate) fn estimate(format: Format, prev: &[u8], cur: &[u8]) -> Option<f32> {
         return None;
     }
     let step = n.div_ceil(SAMPLE).max(1);
-    let mut ratios = Vec::with_capacity(SAMPLE);
-    for i in (0..n).step_by(step) {
-        let (p, _) = format.lane(prev, i);
-        let (c, _) = format.lane(cur, i);
-        if p.is_normal() && c.is_finite() {
-            ratios.push(c / p);
-        }
-    }
+    let lanes: Vec<(u64, u64)> = (0..n)
+        .step_by(step)
+        .map(|i| (lane_bits(format, prev, i), lane_bits(format, cur, i)))
+        .collect();
+    let mut ratios: Vec<f64> = lanes
+        .iter()
+        .map(|&(p, c)| (format.value(p), format.value(c)))
+        .filter(|(p, c)| p.is_normal() && c.is_finite())
+        .map(|(p, c)| c / p)
+        .collect();
     if ratios.len() < 16 {
         return None;
     }
@@ -176,15 +164,12 @@ pub(crate) fn estimate(format: Format, prev: &[u8], cur: &[u8]) -> Option<f32> {
     if !valid_alpha(alpha) || alpha == 1.0 {
         return None;
     }
+    let bits = (w * 8) as u32;
     let (mut plain, mut scaled) = (0u64, 0u64);
-    for i in (0..n).step_by(step) {
-        let (_, kp) = format.lane(prev, i);
-        let (_, kc) = format.lane(cur, i);
-        let pbits = lane_bits(format, prev, i);
-        let pred = format.predict_bits(pbits, alpha);
-        let kq = key(pred, (w * 8) as u32);
-        plain += bit_len(kc.wrapping_sub(kp));
-        scaled += bit_len(kc.wrapping_sub(kq));
+    for &(p, c) in &lanes {
+        let kc = key(c, bits);
+        plain += bit_len(kc.wrapping_sub(key(p, bits)));
+        scaled += bit_len(kc.wrapping_sub(key(format.predict_bits(p, alpha), bits)));
     }
     (scaled as f64 <= plain as f64 * (1.0 - MIN_GAIN)).then_some(alpha)
 }
