@@ -858,8 +858,6 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
     }
 }
 
-/// The peer said goodbye after sending `expected` frames: wait until we have read them all
-/// (bounded), then fail later waits on it and close our side.
 /// How long the `n`-th attempt (from 0) at a handshake may take: 2 s, doubling up to 16 s.
 fn handshake_attempt_timeout(n: u32) -> Duration {
     Duration::from_secs(2u64 << n.min(3))
@@ -885,6 +883,9 @@ async fn wait_while_alive(
     }
 }
 
+/// The peer said goodbye after sending `expected` frames: wait until we have read them all
+/// (while it still answers: see [`wait_while_alive`]), then fail later waits on it and close
+/// our side.
 async fn farewell(
     t: &QuicTransport,
     conn: &Connection,
