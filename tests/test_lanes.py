@@ -62,3 +62,14 @@ def test_lane_is_checked() -> None:
         assert g.lane_stats() == {"frames_sent": 0, "frames_received": 0, "repair_shards": 0}
     finally:
         g.close()
+
+
+def test_auto_lane_takes_the_fec_lane_on_a_long_lossy_path() -> None:
+    # 20 ms each way and 5 % loss: once the loss is measured, frames of 256 KiB and more go
+    # as coded datagrams (the documented auto policy), and every result stays exact.
+    spec = str(mcp.Chaos(loss=0.05, delay=0.02, seed=6))
+    results = ok(run("auto_on_long_path", 2, spec, 8, timeout=180))
+    for out in results:
+        assert out["lane_stats"]["frames_sent"] > 0, out["lane_stats"]
+        assert out["lane_stats"]["frames_received"] > 0, out["lane_stats"]
+        assert out["corrupt_frames"] == 0

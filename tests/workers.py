@@ -294,3 +294,15 @@ def on_lane(rank: int, world: int, lane: str | None, spec: str | None) -> dict[s
         out["lane_stats"] = g.lane_stats()
         out["corrupt_frames"] = g.stats()["corrupt_frames"]
     return out
+
+
+def auto_on_long_path(rank: int, world: int, spec: str, rounds: int) -> dict[str, Any]:
+    """``rounds`` 1 MiB all-reduces on the auto lane through ``spec``; checks every result."""
+    with mcp.init(timeout=120, chaos=spec, lane="auto") as g:
+        n = 1 << 18
+        for i in range(rounds):
+            a = data("float32", "sum", rank, n, salt=i)
+            g.all_reduce(a)
+            want = sum(data("float32", "sum", r, n, salt=i) for r in range(world))
+            np.testing.assert_array_equal(a, want)
+        return {"lane_stats": g.lane_stats(), "corrupt_frames": g.stats()["corrupt_frames"]}
