@@ -6,43 +6,16 @@
 
 use mcp_core::codec::{decode, decode_reduce, encode, CodecKind};
 use mcp_core::{DType, ReduceOp};
-use rand::{Rng, SeedableRng};
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
 
 const N: usize = 4 << 20; // 16 MiB of f32
 
-fn gradients() -> Vec<f32> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
-    let mut v = Vec::with_capacity(N);
-    for layer in 0..64 {
-        let std = 1e-4 * 100f32.powf(layer as f32 / 63.0);
-        for _ in 0..N / 64 {
-            if rng.random::<f32>() < 0.1 {
-                v.push(0.0);
-                continue;
-            }
-            // Box-Muller
-            let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
-            v.push(std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos());
-        }
-    }
-    v
-}
-
 /// Best wall time of `f` over at least 5 runs and 0.5 s.
-fn best(mut f: impl FnMut()) -> Duration {
-    f(); // warm caches and lazily built contexts
-    let start = Instant::now();
-    let mut best = Duration::MAX;
-    let mut runs = 0;
-    while runs < 5 || start.elapsed() < Duration::from_millis(500) {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed());
-        runs += 1;
-    }
-    best
+fn best(f: impl FnMut()) -> Duration {
+    common::best(5, Duration::from_millis(500), f)
 }
 
 fn gbps(d: Duration) -> f64 {
@@ -50,7 +23,7 @@ fn gbps(d: Duration) -> f64 {
 }
 
 fn main() {
-    let x = gradients();
+    let x = common::gradients(N);
     let src: &[u8] = bytemuck::cast_slice(&x);
     let mut dst = vec![0f32; N];
     let mut out = vec![0f32; N];

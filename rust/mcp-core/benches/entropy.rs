@@ -5,47 +5,21 @@
 //! entropy, then ratio and MB/s (of plane bytes) of canonical Huffman and of zstd level 1.
 
 use mcp_core::entropy::{huffman, sampled_entropy};
-use rand::{Rng, SeedableRng};
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
 
 const N: usize = 4 << 20;
 const PLANE: usize = 65_536;
 
-fn gradients() -> Vec<f32> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
-    let mut v = Vec::with_capacity(N);
-    for layer in 0..64 {
-        let std = 1e-4 * 100f32.powf(layer as f32 / 63.0);
-        for _ in 0..N / 64 {
-            if rng.random::<f32>() < 0.1 {
-                v.push(0.0);
-                continue;
-            }
-            let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
-            v.push(std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos());
-        }
-    }
-    v
-}
-
 /// Best wall time of `f` over at least 3 runs and 0.3 s.
-fn best(mut f: impl FnMut()) -> Duration {
-    f();
-    let start = Instant::now();
-    let mut best = Duration::MAX;
-    let mut runs = 0;
-    while runs < 3 || start.elapsed() < Duration::from_millis(300) {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed());
-        runs += 1;
-    }
-    best
+fn best(f: impl FnMut()) -> Duration {
+    common::best(3, Duration::from_millis(300), f)
 }
 
 fn main() {
-    let x = gradients();
+    let x = common::gradients(N);
     let mbs = |d: Duration| N as f64 / d.as_secs_f64() / 1e6;
     println!("byte planes of {} MiB of f32 gradients, in {PLANE}-byte planes, one core (MB/s of plane bytes)", (N * 4) >> 20);
     println!(

@@ -141,15 +141,7 @@ pub fn step(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn data(n: usize, salt: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(salt) % 2001) as f32 / 1000.0
-                    - 1.0
-            })
-            .collect()
-    }
+    use crate::ps::optim::test_data as data;
 
     /// The contract of the module doc, one element at a time.
     fn scalar(

@@ -713,13 +713,10 @@ impl PsClient {
             }));
         }
         let reps = join(tasks).await?;
-        let mut min: Option<u64> = None;
-        for r in &reps {
-            if let Reply::Clock { min: Some(m), .. } = r {
-                min = Some(min.map_or(*m, |x: u64| x.min(*m)));
-            }
-        }
-        Ok(ClockInfo { clock, min })
+        Ok(ClockInfo {
+            clock,
+            min: slowest_clock(&reps),
+        })
     }
 
     /// Push, advance and pull in one round trip per server: pushes `grads` (f32 tensors)
@@ -813,13 +810,10 @@ impl PsClient {
             }));
         }
         let reps = join(tasks).await?;
-        let mut min: Option<u64> = None;
-        for r in &reps {
-            if let Reply::Clock { min: Some(m), .. } = r {
-                min = Some(min.map_or(*m, |x: u64| x.min(*m)));
-            }
-        }
-        Ok(ClockInfo { clock, min })
+        Ok(ClockInfo {
+            clock,
+            min: slowest_clock(&reps),
+        })
     }
 
     /// Each server's counters, by slot.
@@ -880,6 +874,17 @@ impl PsClient {
         );
         let _ = tokio::time::timeout(Duration::from_secs(1), self.endpoint.wait_idle()).await;
     }
+}
+
+/// The slowest worker clock over the servers' `Clock` replies (servers that know none are
+/// left out).
+fn slowest_clock(reps: &[Reply]) -> Option<u64> {
+    reps.iter()
+        .filter_map(|r| match r {
+            Reply::Clock { min, .. } => *min,
+            _ => None,
+        })
+        .min()
 }
 
 /// Awaits every task (all of them, even after a failure, since they may use the caller's

@@ -165,3 +165,13 @@ impl OptState {
         }
     }
 }
+
+/// Deterministic values in [-1, 1] for the kernels' tests (SGD and Adam).
+#[cfg(test)]
+pub(crate) fn test_data(n: usize, salt: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(salt) % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}

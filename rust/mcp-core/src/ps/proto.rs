@@ -210,6 +210,13 @@ fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
+/// The `clock staleness wait_ms` fields of Advance and Step (no bound: `u64::MAX`).
+fn put_clock_wait(out: &mut Vec<u8>, clock: u64, staleness: Option<u64>, wait: Duration) {
+    put_u64(out, clock);
+    put_u64(out, staleness.unwrap_or(u64::MAX));
+    put_u64(out, wait.as_millis().min(u64::MAX as u128) as u64);
+}
+
 fn put_key(out: &mut Vec<u8>, k: &str) -> Result<()> {
     if k.len() > MAX_KEY {
         return Err(Error::InvalidArgument(format!(
@@ -241,6 +248,13 @@ impl<'a> Reader<'a> {
         let mut a = [0u8; 8];
         a.copy_from_slice(self.take(8)?);
         Ok(u64::from_le_bytes(a))
+    }
+
+    /// Inverse of [`put_clock_wait`].
+    fn clock_wait(&mut self) -> Result<(u64, Option<u64>, Duration)> {
+        let clock = self.u64()?;
+        let staleness = Some(self.u64()?).filter(|&s| s != u64::MAX);
+        Ok((clock, staleness, Duration::from_millis(self.u64()?)))
     }
 
     fn u16(&mut self) -> Result<u16> {
@@ -320,9 +334,7 @@ impl Request {
                 staleness,
                 wait,
             } => {
-                put_u64(out, *clock);
-                put_u64(out, staleness.unwrap_or(u64::MAX));
-                put_u64(out, wait.as_millis().min(u64::MAX as u128) as u64);
+                put_clock_wait(out, *clock, *staleness, *wait);
             }
             Request::Step {
                 clock,
@@ -331,9 +343,7 @@ impl Request {
                 pushes,
                 pulls,
             } => {
-                put_u64(out, *clock);
-                put_u64(out, staleness.unwrap_or(u64::MAX));
-                put_u64(out, wait.as_millis().min(u64::MAX as u128) as u64);
+                put_clock_wait(out, *clock, *staleness, *wait);
                 put_u64(out, pushes.len() as u64);
                 for (k, off, n, b) in pushes {
                     put_key(out, k)?;
@@ -379,15 +389,16 @@ impl Request {
                 offset: r.u64()?,
                 len: r.u64()?,
             },
-            op::ADVANCE => Request::Advance {
-                clock: r.u64()?,
-                staleness: Some(r.u64()?).filter(|&s| s != u64::MAX),
-                wait: Duration::from_millis(r.u64()?),
-            },
+            op::ADVANCE => {
+                let (clock, staleness, wait) = r.clock_wait()?;
+                Request::Advance {
+                    clock,
+                    staleness,
+                    wait,
+                }
+            }
             op::STEP => {
-                let clock = r.u64()?;
-                let staleness = Some(r.u64()?).filter(|&s| s != u64::MAX);
-                let wait = Duration::from_millis(r.u64()?);
+                let (clock, staleness, wait) = r.clock_wait()?;
                 let n = r.u64()?;
                 // every entry takes at least 26 bytes: bound the count by what is there
                 if n > (meta.len() / 26) as u64 {

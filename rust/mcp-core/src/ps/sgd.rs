@@ -83,6 +83,7 @@ pub fn step(c: &SgdConfig, params: &mut [f32], grad: &[f32], momentum_buf: &mut 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ps::optim::test_data as data;
 
     /// The contract above, one element at a time.
     fn scalar(c: &SgdConfig, p: &mut [f32], g: &[f32], b: &mut [f32]) {
@@ -103,15 +104,6 @@ mod tests {
             };
             p[i] -= c.lr * d;
         }
-    }
-
-    fn data(n: usize, salt: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(salt) % 2001) as f32 / 1000.0
-                    - 1.0
-            })
-            .collect()
     }
 
     #[test]

@@ -329,14 +329,7 @@ impl QuicTransport {
             }
             b += 1;
         }
-        if let Some(slot) = self.peers.get(peer) {
-            slot.sent.fetch_add(1, Ordering::AcqRel);
-        }
-        self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
-        self.stats.bytes_sent.fetch_add(
-            (header.encoded_len() + payload.len()) as u64,
-            Ordering::Relaxed,
-        );
+        self.count_sent(peer, header.encoded_len() + payload.len());
         self.stats.bulk_frames_sent.fetch_add(1, Ordering::Relaxed);
         // Until the receiver says DONE, the transfer counts as unacknowledged (shutdown waits).
         self.unacked_streams.fetch_add(1, Ordering::AcqRel);

@@ -280,6 +280,18 @@ impl QuicTransport {
             .map(|c| c.rtt())
     }
 
+    /// Counts one frame of `wire_len` bytes as sent to `peer`, on either lane: the per-peer
+    /// count is what the goodbye announces, so that the peer reads every frame before closing.
+    pub(super) fn count_sent(&self, peer: usize, wire_len: usize) {
+        if let Some(slot) = self.peers.get(peer) {
+            slot.sent.fetch_add(1, Ordering::AcqRel);
+        }
+        self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .bytes_sent
+            .fetch_add(wire_len as u64, Ordering::Relaxed);
+    }
+
     /// Cuts this process off the network (chaos kill switch): every datagram in and out is
     /// dropped from now on, as if the host had vanished. Only with a chaos configuration.
     pub fn chaos_kill(&self) -> Result<()> {
@@ -564,14 +576,7 @@ impl QuicTransport {
         stream
             .finish()
             .map_err(|_| WriteFail::Conn(ConnectionError::LocallyClosed))?;
-        if let Some(slot) = self.peers.get(peer) {
-            slot.sent.fetch_add(1, Ordering::AcqRel);
-        }
-        self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
-        self.stats.bytes_sent.fetch_add(
-            (header.encoded_len() + payload.len()) as u64,
-            Ordering::Relaxed,
-        );
+        self.count_sent(peer, header.encoded_len() + payload.len());
         // Track the stream until the peer has it, so that close() does not discard it.
         self.unacked_streams.fetch_add(1, Ordering::AcqRel);
         let me = self.me.clone();
