@@ -148,6 +148,10 @@ def killed_peer(rank: int, world: int, victim: int, how: str = "kill") -> None:
     g.all_reduce(a)  # everyone connected and working
     done = time.monotonic()
     if rank == victim:
+        # Once a second all-reduce is done here, every rank has finished the first (each
+        # one's contribution is in it): a survivor can only fail in the loop below, never in
+        # the first all-reduce, whose last messages could otherwise die unsent with us.
+        g.all_reduce(a)
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     try:
         for _ in range(1000):
