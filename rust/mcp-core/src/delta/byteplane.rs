@@ -56,6 +56,12 @@ impl Transform {
 pub(crate) trait Word: Copy + Default + Send + Sync {
     /// Bytes per word.
     const W: usize;
+    /// Bits per word.
+    const BITS: u32;
+    /// The word zero-extended.
+    fn to_u64(self) -> u64;
+    /// The low bits of `v`.
+    fn from_u64(v: u64) -> Self;
     /// Reads a little-endian word from exactly `W` bytes.
     fn load(b: &[u8]) -> Self;
     /// Writes the word little-endian into exactly `W` bytes.
@@ -80,6 +86,15 @@ macro_rules! word {
     ($t:ty, $s:ty) => {
         impl Word for $t {
             const W: usize = std::mem::size_of::<$t>();
+            const BITS: u32 = <$t>::BITS;
+            #[inline(always)]
+            fn to_u64(self) -> u64 {
+                self as u64
+            }
+            #[inline(always)]
+            fn from_u64(v: u64) -> Self {
+                v as $t
+            }
             #[inline(always)]
             fn load(b: &[u8]) -> Self {
                 let mut a = [0u8; std::mem::size_of::<$t>()];

@@ -19,6 +19,7 @@ use super::dtype::{DType, Lane};
 use super::entropy::{Method, PlaneDecoder, PlaneEncoder};
 use super::error::{DeltaError, Result};
 use super::lossy;
+use super::magnitude;
 use super::predict;
 
 const MAGIC: &[u8; 4] = b"MCDT";
@@ -263,6 +264,7 @@ fn tensor_len(dtype: DType, shape: &[u64]) -> Option<u64> {
 struct Scratch {
     planes: Vec<u8>,
     quant: Vec<u8>,
+    mag: magnitude::Scratch,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -291,7 +293,6 @@ fn encode_chunk(
             recon.copy_from_slice(cur);
         }
     }
-    sc.planes.resize(lanes.len(), 0);
     let p = if matches!(tr, Transform::Raw | Transform::Quant) {
         &[][..]
     } else {
@@ -304,7 +305,48 @@ fn encode_chunk(
     if alpha.is_some() {
         tr = Transform::ScaledFloatSub;
     }
-    byteplane::split(tr, width, alpha.unwrap_or(1.0), p, lanes, &mut sc.planes);
+    let mut mag = None;
+    if matches!(tr, Transform::FloatSub | Transform::ScaledFloatSub) && magnitude::supports(width) {
+        // Magnitude coding, marked by a plane count of 0.
+        let mut out = Vec::with_capacity(cur.len() / 2);
+        out.extend_from_slice(&[tr as u8, width as u8, 0]);
+        if let Some(a) = alpha {
+            out.extend_from_slice(&a.to_le_bytes());
+        }
+        magnitude::encode(width, alpha, prev, cur, &mut sc.mag, &mut out);
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        // Byte planes are tried too where they can win: on small chunks, where the symbol
+        // table weighs more than the planes' few bytes, and where the residuals are as wide
+        // as the lanes (unrelated tensors).
+        if out.len() < cur.len() && cur.len() >= SMALL_CHUNK {
+            return out;
+        }
+        mag = Some(out);
+    }
+    let planes = encode_planes(enc, &mut sc.planes, tr, width, alpha, p, lanes);
+    match mag {
+        Some(m) if m.len() <= planes.len() => m,
+        _ => planes,
+    }
+}
+
+/// Below this many bytes a chunk is coded both ways and the smaller kept.
+const SMALL_CHUNK: usize = 64 << 10;
+
+/// Codes `lanes` transformed by `tr` as byte planes: the chunk's header, plane table,
+/// planes and checksum.
+fn encode_planes(
+    enc: &mut PlaneEncoder,
+    planes: &mut Vec<u8>,
+    tr: Transform,
+    width: usize,
+    alpha: Option<f32>,
+    prev: &[u8],
+    lanes: &[u8],
+) -> Vec<u8> {
+    planes.resize(lanes.len(), 0);
+    byteplane::split(tr, width, alpha.unwrap_or(1.0), prev, lanes, planes);
     let n = lanes.len() / width;
     let mut out = Vec::with_capacity(7 + 5 * width);
     out.extend_from_slice(&[tr as u8, width as u8, width as u8]);
@@ -316,7 +358,7 @@ fn encode_chunk(
     let mut lens = Vec::with_capacity(width);
     for k in 0..width {
         let before = out.len();
-        let m = enc.encode(&sc.planes[k * n..(k + 1) * n], &mut out);
+        let m = enc.encode(&planes[k * n..(k + 1) * n], &mut out);
         lens.push((m, (out.len() - before) as u32));
     }
     for (k, (m, l)) in lens.into_iter().enumerate() {
@@ -418,6 +460,7 @@ pub fn encode(
                     Scratch {
                         planes: Vec::new(),
                         quant: Vec::new(),
+                        mag: magnitude::Scratch::default(),
                     },
                 ))
             },
@@ -594,9 +637,11 @@ pub fn read_info(blob: &[u8]) -> Result<BlobInfo> {
     Ok(info)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn decode_chunk(
     dec: &mut PlaneDecoder,
     planes: &mut Vec<u8>,
+    mag: &mut magnitude::Scratch,
     info: &BlobInfo,
     index: usize,
     chunk: &[u8],
@@ -635,7 +680,10 @@ fn decode_chunk(
         Mode::Lossy => tr == lossless || scaled || (tr == Transform::Quant && dtype.is_float()),
         Mode::Unchanged => false,
     };
-    if !allowed || width != expect_width || n_planes != width {
+    let magnitude_coded = n_planes == 0
+        && matches!(tr, Transform::FloatSub | Transform::ScaledFloatSub)
+        && magnitude::supports(width);
+    if !allowed || width != expect_width || !(n_planes == width || magnitude_coded) {
         return Err(corrupt(format!(
             "transform {tr:?} of width {width} with {n_planes} planes in a {} {} blob",
             info.mode.name(),
@@ -651,6 +699,10 @@ fn decode_chunk(
     } else {
         None
     };
+    if magnitude_coded {
+        return magnitude::decode(width, alpha, prev, &body[r.at..], mag, out)
+            .map_err(|e| corrupt(format!("magnitude coding: {e}")));
+    }
     let lanes_len = if tr == Transform::Quant {
         out.len() / dtype.size() * 4
     } else {
@@ -749,8 +801,14 @@ pub fn decode_into(
         run_parallel(
             work,
             threads(threads_requested),
-            || Ok((PlaneDecoder::new()?, Vec::new())),
-            |(dec, planes), (i, c, p, o)| decode_chunk(dec, planes, &info, i, c, p, o),
+            || {
+                Ok((
+                    PlaneDecoder::new()?,
+                    Vec::new(),
+                    magnitude::Scratch::default(),
+                ))
+            },
+            |(dec, planes, mag), (i, c, p, o)| decode_chunk(dec, planes, mag, &info, i, c, p, o),
         )?;
     }
     let actual = content_hash(out);

@@ -25,13 +25,16 @@
 //! # Ok::<(), mcp_core::delta::DeltaError>(())
 //! ```
 
+mod bits;
 mod byteplane;
 mod container;
 mod dtype;
 mod entropy;
 mod error;
 mod lossy;
+mod magnitude;
 mod predict;
+mod rans;
 
 pub use byteplane::Transform;
 pub use container::{
