@@ -13,6 +13,7 @@
 //! of the tensor; chunks are coded independently, in parallel, with bounded scratch memory.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Mutex};
 
 use super::byteplane::{self, Transform};
 use super::dtype::{DType, Lane};
@@ -194,8 +195,9 @@ fn threads(requested: usize) -> usize {
     }
 }
 
-/// Runs `f` over `work` on up to `threads` scoped threads (round-robin), each with its own
-/// state from `init`.
+/// Runs `f` over `work` on up to `threads` scoped threads, each with its own state from
+/// `init`; each thread takes the next item when it is done with one, so that chunks that
+/// code slower do not leave a core idle.
 fn run_parallel<W: Send, S>(
     work: Vec<W>,
     threads: usize,
@@ -207,28 +209,28 @@ fn run_parallel<W: Send, S>(
         let mut s = init()?;
         return work.into_iter().try_for_each(|w| f(&mut s, w));
     }
-    let mut buckets: Vec<Vec<W>> = (0..t).map(|_| Vec::new()).collect();
-    for (i, w) in work.into_iter().enumerate() {
-        buckets[i % t].push(w);
-    }
+    let queue = Mutex::new(work.into_iter());
     let failed = AtomicBool::new(false);
     let results: Vec<Result<()>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = buckets
-            .into_iter()
-            .map(|bucket| {
-                let (init, f, failed) = (&init, &f, &failed);
+        let handles: Vec<_> = (0..t)
+            .map(|_| {
+                let (init, f, failed, queue) = (&init, &f, &failed, &queue);
                 scope.spawn(move || -> Result<()> {
                     let mut s = init()?;
-                    for w in bucket {
+                    loop {
                         if failed.load(Ordering::Relaxed) {
-                            break;
+                            return Ok(());
                         }
+                        // A poisoned lock means another worker panicked; that is reported
+                        // through its join below.
+                        let Some(w) = queue.lock().ok().and_then(|mut q| q.next()) else {
+                            return Ok(());
+                        };
                         if let Err(e) = f(&mut s, w) {
                             failed.store(true, Ordering::Relaxed);
                             return Err(e);
                         }
                     }
-                    Ok(())
                 })
             })
             .collect();
@@ -244,6 +246,24 @@ fn run_parallel<W: Send, S>(
             .collect()
     });
     results.into_iter().collect()
+}
+
+/// Hashes chunks as the decoding threads finish them, in tensor order: the content hash of
+/// a tensor is one sequential pass, which this overlaps with decoding instead of adding
+/// after it. Returns `None` when a chunk never arrives (a worker failed).
+fn hash_in_order<'a>(chunks: usize, rx: mpsc::Receiver<(usize, &'a [u8])>) -> Option<u64> {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut pending = std::collections::BTreeMap::new();
+    let mut next = 0;
+    while next < chunks {
+        let (i, c) = rx.recv().ok()?;
+        pending.insert(i, c);
+        while let Some(c) = pending.remove(&next) {
+            h.update(c);
+            next += 1;
+        }
+    }
+    Some(h.digest())
 }
 
 fn lossless_transform(dtype: DType) -> Transform {
@@ -434,6 +454,7 @@ pub fn encode(
         cur.len().div_ceil(chunk_bytes)
     };
     let mut chunks: Vec<Vec<u8>> = vec![Vec::new(); n_chunks];
+    let mut hash: Option<u64> = None;
     let mut recon = if mode == Mode::Lossy {
         vec![0u8; cur.len()]
     } else {
@@ -451,38 +472,52 @@ pub fn encode(
             )
             .map(|((i, slot), r)| (i, slot, r))
             .collect();
-        run_parallel(
-            work,
-            threads(opts.threads),
-            || {
-                Ok((
-                    PlaneEncoder::new(opts.level)?,
-                    Scratch {
-                        planes: Vec::new(),
-                        quant: Vec::new(),
-                        mag: magnitude::Scratch::default(),
-                    },
-                ))
-            },
-            |(enc, sc), (i, slot, r)| {
-                let lo = i * chunk_bytes;
-                let hi = (lo + chunk_bytes).min(cur.len());
-                let p = prev.get(lo..hi).unwrap_or(&[]);
-                *slot = encode_chunk(
-                    enc,
-                    sc,
-                    dtype,
-                    mode,
-                    p,
-                    &cur[lo..hi],
-                    max_abs_error,
-                    r.unwrap_or(&mut []),
-                );
-                Ok(())
-            },
-        )?;
+        let t = threads(opts.threads);
+        let code = || {
+            run_parallel(
+                work,
+                t,
+                || {
+                    Ok((
+                        PlaneEncoder::new(opts.level)?,
+                        Scratch {
+                            planes: Vec::new(),
+                            quant: Vec::new(),
+                            mag: magnitude::Scratch::default(),
+                        },
+                    ))
+                },
+                |(enc, sc), (i, slot, r)| {
+                    let lo = i * chunk_bytes;
+                    let hi = (lo + chunk_bytes).min(cur.len());
+                    let p = prev.get(lo..hi).unwrap_or(&[]);
+                    *slot = encode_chunk(
+                        enc,
+                        sc,
+                        dtype,
+                        mode,
+                        p,
+                        &cur[lo..hi],
+                        max_abs_error,
+                        r.unwrap_or(&mut []),
+                    );
+                    Ok(())
+                },
+            )
+        };
+        if mode != Mode::Lossy && t > 1 && n_chunks > 1 {
+            // The content hash of the input is one sequential pass: overlap it with coding.
+            let (res, h) = std::thread::scope(|scope| {
+                let hasher = scope.spawn(|| content_hash(cur));
+                (code(), hasher.join())
+            });
+            res?;
+            hash = h.ok();
+        } else {
+            code()?;
+        }
     }
-    let hash = content_hash(if mode == Mode::Lossy { &recon } else { cur });
+    let hash = hash.unwrap_or_else(|| content_hash(if mode == Mode::Lossy { &recon } else { cur }));
     drop(recon);
     let mut h = Vec::with_capacity(FIXED_HEADER + 8 * shape.len() + 4 * n_chunks + 4);
     h.extend_from_slice(MAGIC);
@@ -798,27 +833,51 @@ pub fn decode_into(
             let p = prev.get(i * cb..i * cb + o.len()).unwrap_or(&[]);
             work.push((i, c, p, o));
         }
-        run_parallel(
-            work,
-            threads(threads_requested),
-            || {
-                Ok((
-                    PlaneDecoder::new()?,
-                    Vec::new(),
-                    magnitude::Scratch::default(),
-                ))
-            },
-            |(dec, planes, mag), (i, c, p, o)| decode_chunk(dec, planes, mag, &info, i, c, p, o),
-        )?;
+        let t = threads(threads_requested);
+        let n_chunks = work.len();
+        let init = || {
+            Ok((
+                PlaneDecoder::new()?,
+                Vec::new(),
+                magnitude::Scratch::default(),
+            ))
+        };
+        if t > 1 && n_chunks > 1 {
+            // The hash runs on its own thread, chunk by chunk as they are done.
+            let (tx, rx) = mpsc::channel::<(usize, &[u8])>();
+            let (res, hash) = std::thread::scope(|scope| {
+                let hasher = scope.spawn(move || hash_in_order(n_chunks, rx));
+                let res = run_parallel(work, t, init, |(dec, planes, mag), (i, c, p, o)| {
+                    decode_chunk(dec, planes, mag, &info, i, c, p, o)?;
+                    // The receiver is gone only if the hasher panicked; its join reports it.
+                    let _ = tx.send((i, &*o));
+                    Ok(())
+                });
+                drop(tx);
+                (res, hasher.join().ok().flatten())
+            });
+            res?;
+            return check_hash(info, hash);
+        }
+        run_parallel(work, t, init, |(dec, planes, mag), (i, c, p, o)| {
+            decode_chunk(dec, planes, mag, &info, i, c, p, o)
+        })?;
     }
-    let actual = content_hash(out);
-    if actual != info.hash {
-        return Err(DeltaError::HashMismatch {
+    check_hash(info, Some(content_hash(out)))
+}
+
+/// The blob's info if `actual` is its content hash.
+fn check_hash(info: BlobInfo, actual: Option<u64>) -> Result<BlobInfo> {
+    match actual {
+        Some(a) if a == info.hash => Ok(info),
+        Some(a) => Err(DeltaError::HashMismatch {
             expected: info.hash,
-            actual,
-        });
+            actual: a,
+        }),
+        None => Err(DeltaError::InvalidArgument(
+            "the content hash thread stopped".into(),
+        )),
     }
-    Ok(info)
 }
 
 /// Decodes `blob` into a new vector; see [`decode_into`].

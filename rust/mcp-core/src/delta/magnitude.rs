@@ -419,6 +419,34 @@ mod tests {
     }
 
     #[test]
+    fn the_baseline_build_reads_and_writes_what_the_dispatched_one_does() {
+        // On a CPU with AVX2 the public functions run the `v3` build; the baseline build must
+        // produce and accept the same bytes (a blob moves between machines).
+        let mut s = 4;
+        for (width, alpha) in [
+            (2usize, None),
+            (2, Some(0.99f32)),
+            (4, Some(0.999)),
+            (8, None),
+        ] {
+            let prev: Vec<u8> = (0..40_000).map(|_| (lcg(&mut s) >> 56) as u8).collect();
+            let mut cur = prev.clone();
+            for b in cur.iter_mut().step_by(width) {
+                *b ^= (lcg(&mut s) >> 60) as u8;
+            }
+            let mut a = Vec::new();
+            encode(width, alpha, &prev, &cur, &mut Scratch::default(), &mut a);
+            let mut b = Vec::new();
+            encode_any(width, alpha, &prev, &cur, &mut Scratch::default(), &mut b);
+            assert_eq!(a, b, "width {width}");
+            let mut back = vec![0u8; cur.len()];
+            decode_any(width, alpha, &prev, &a, &mut Scratch::default(), &mut back)
+                .expect("decode");
+            assert_eq!(back, cur);
+        }
+    }
+
+    #[test]
     fn small_float_changes_cost_few_bits() {
         let mut s = 1;
         let n = 100_000;

@@ -251,30 +251,19 @@ pub(crate) fn encode(syms: &[u16], table: &EncTable, words: &mut Vec<u16>, out: 
     }
 }
 
-/// One slot of the decoding table.
-#[derive(Debug, Clone, Copy, Default)]
-struct DecSlot {
-    freq: u16,
-    /// Slot minus the symbol's start.
-    offset: u16,
-    sym: u16,
-}
-
-/// Decoder table for one [`Freqs`]: the symbol of every slot.
-pub(crate) struct DecTable(Vec<DecSlot>);
+/// Decoder table for one [`Freqs`]: for every slot, its symbol's frequency (bits 0-15),
+/// the slot's offset from the symbol's start (bits 16-31) and the symbol (bits 32-47), in
+/// one word so that a step does one load.
+pub(crate) struct DecTable(Vec<u64>);
 
 impl DecTable {
     /// Builds the table.
     pub(crate) fn new(freqs: &Freqs) -> DecTable {
-        let mut slots = vec![DecSlot::default(); PROB_SCALE as usize];
+        let mut slots = vec![0u64; PROB_SCALE as usize];
         let mut start = 0usize;
         for (sym, &f) in freqs.as_slice().iter().enumerate() {
             for (o, slot) in slots[start..start + f as usize].iter_mut().enumerate() {
-                *slot = DecSlot {
-                    freq: f as u16,
-                    offset: o as u16,
-                    sym: sym as u16,
-                };
+                *slot = u64::from(f) | (o as u64) << 16 | (sym as u64) << 32;
             }
             start += f as usize;
         }
@@ -286,7 +275,7 @@ impl DecTable {
 /// consumed exactly and ends in the encoder's initial states.
 #[inline(always)]
 pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Result<()> {
-    let t: &[DecSlot; PROB_SCALE as usize] = table
+    let t: &[u64; PROB_SCALE as usize] = table
         .0
         .as_slice()
         .try_into()
@@ -301,9 +290,9 @@ pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Resul
     let words = &stream[4 * STATES..];
     let mut at = 0usize;
     #[inline(always)]
-    fn step(x: &mut u32, t: &[DecSlot; PROB_SCALE as usize], words: &[u8], at: &mut usize) -> u16 {
+    fn step(x: &mut u32, t: &[u64; PROB_SCALE as usize], words: &[u8], at: &mut usize) -> u16 {
         let slot = t[(*x & (PROB_SCALE - 1)) as usize];
-        *x = u32::from(slot.freq) * (*x >> PROB_BITS) + u32::from(slot.offset);
+        *x = (slot as u32 & 0xffff) * (*x >> PROB_BITS) + (slot as u32 >> 16);
         // Branch-free refill: read the next word (zero past the end) and keep it if needed.
         let w = match words.get(*at..*at + 2) {
             Some(&[a, b]) => u32::from(u16::from_le_bytes([a, b])),
@@ -312,7 +301,7 @@ pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Resul
         let need = *x < L;
         *x = if need { (*x << 16) | w } else { *x };
         *at += 2 * usize::from(need);
-        slot.sym
+        (slot >> 32) as u16
     }
     let mut groups = syms.chunks_exact_mut(STATES);
     for g in &mut groups {

@@ -133,6 +133,39 @@ fn output_does_not_depend_on_thread_count() {
 }
 
 #[test]
+fn every_thread_count_decodes_and_checks_the_hash_of_many_chunks() {
+    // Many chunks on several threads: the hash is computed while they decode, in order.
+    let prev: Vec<u8> = (0..1 << 15)
+        .flat_map(|i| ((i as f32) * 0.01).sin().to_le_bytes())
+        .collect();
+    let cur: Vec<u8> = prev
+        .chunks_exact(4)
+        .flat_map(|b| (f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * 1.001).to_le_bytes())
+        .collect();
+    let blob = encode(DType::F32, &[1 << 15], Some(&prev), &cur, &opts(4096, 3))
+        .unwrap()
+        .into_vec();
+    let mut wrong = prev.clone();
+    wrong[70_001] ^= 1;
+    for threads in [1, 2, 3, 8] {
+        let (_, back) = decode(&blob, Some(&prev), threads).unwrap();
+        assert_eq!(back, cur, "{threads} threads");
+        assert!(
+            matches!(
+                decode(&blob, Some(&wrong), threads),
+                Err(DeltaError::HashMismatch { .. })
+            ),
+            "{threads} threads"
+        );
+        // A damaged chunk stops the workers; the hash thread must not wait for it forever.
+        let mut bad = blob.clone();
+        let at = bad.len() / 2;
+        bad[at] ^= 0x40;
+        assert!(decode(&bad, Some(&prev), threads).is_err(), "{threads} threads");
+    }
+}
+
+#[test]
 fn small_float_changes_compress() {
     // a float32 tensor nudged by about 1e-4 relative: the two high planes are nearly zero
     let prev: Vec<f32> = (0..1 << 16).map(|i| ((i as f32) * 0.001).sin()).collect();
