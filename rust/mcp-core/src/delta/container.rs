@@ -251,7 +251,7 @@ fn run_parallel<W: Send, S>(
 /// Hashes chunks as the decoding threads finish them, in tensor order: the content hash of
 /// a tensor is one sequential pass, which this overlaps with decoding instead of adding
 /// after it. Returns `None` when a chunk never arrives (a worker failed).
-fn hash_in_order<'a>(chunks: usize, rx: mpsc::Receiver<(usize, &'a [u8])>) -> Option<u64> {
+fn hash_in_order(chunks: usize, rx: mpsc::Receiver<(usize, &[u8])>) -> Option<u64> {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     let mut pending = std::collections::BTreeMap::new();
     let mut next = 0;
