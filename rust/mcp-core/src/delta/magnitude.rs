@@ -288,42 +288,59 @@ fn decode_any(
     }
 }
 
-/// The coder compiled for x86-64 CPUs with AVX2, BMI2 and LZCNT (variable shifts in one
-/// instruction, a leading-zero count, wider vectors); the same code as the baseline build.
+/// The coder compiled for x86-64 CPUs with more than the baseline's SSE2, picked at run
+/// time: the same source, so every build reads and writes the same bytes.
 #[cfg(target_arch = "x86_64")]
-mod v3 {
+mod fast {
     use super::*;
 
-    /// Whether this CPU runs the functions below.
-    pub(super) fn available() -> bool {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("bmi2")
-            && std::arch::is_x86_feature_detected!("lzcnt")
+    /// Which build this CPU runs: 2 for AVX-512 (16 lanes per vector and a vector
+    /// leading-zero count), 1 for AVX2 with BMI2 and LZCNT (variable shifts in one
+    /// instruction, a scalar leading-zero count), 0 for the baseline.
+    pub(super) fn level() -> u8 {
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx2") && has!("bmi2") && has!("lzcnt")) {
+            0
+        } else if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512cd") {
+            2
+        } else {
+            1
+        }
     }
 
-    #[target_feature(enable = "avx2,bmi1,bmi2,lzcnt")]
-    pub(super) fn encode(
-        width: usize,
-        alpha: Option<f32>,
-        prev: &[u8],
-        cur: &[u8],
-        sc: &mut Scratch,
-        out: &mut Vec<u8>,
-    ) {
-        encode_any(width, alpha, prev, cur, sc, out)
-    }
+    macro_rules! build {
+        ($enc:ident, $dec:ident, $features:literal) => {
+            #[target_feature(enable = $features)]
+            pub(super) fn $enc(
+                width: usize,
+                alpha: Option<f32>,
+                prev: &[u8],
+                cur: &[u8],
+                sc: &mut Scratch,
+                out: &mut Vec<u8>,
+            ) {
+                encode_any(width, alpha, prev, cur, sc, out)
+            }
 
-    #[target_feature(enable = "avx2,bmi1,bmi2,lzcnt")]
-    pub(super) fn decode(
-        width: usize,
-        alpha: Option<f32>,
-        prev: &[u8],
-        payload: &[u8],
-        sc: &mut Scratch,
-        out: &mut [u8],
-    ) -> Result<()> {
-        decode_any(width, alpha, prev, payload, sc, out)
+            #[target_feature(enable = $features)]
+            pub(super) fn $dec(
+                width: usize,
+                alpha: Option<f32>,
+                prev: &[u8],
+                payload: &[u8],
+                sc: &mut Scratch,
+                out: &mut [u8],
+            ) -> Result<()> {
+                decode_any(width, alpha, prev, payload, sc, out)
+            }
+        };
     }
+    build!(encode_v3, decode_v3, "avx2,bmi1,bmi2,lzcnt");
+    build!(
+        encode_v4,
+        decode_v4,
+        "avx2,bmi1,bmi2,lzcnt,avx512f,avx512bw,avx512vl,avx512cd"
+    );
 }
 
 /// Appends the payload coding `cur` against the predictions from `prev` (`α · prev` when
@@ -338,9 +355,12 @@ pub(crate) fn encode(
     out: &mut Vec<u8>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if v3::available() {
-        // SAFETY: the CPU has every feature the function is compiled for (checked above).
-        return unsafe { v3::encode(width, alpha, prev, cur, sc, out) };
+    match fast::level() {
+        // SAFETY: the CPU has every feature the function is compiled for (`fast::level`).
+        2 => return unsafe { fast::encode_v4(width, alpha, prev, cur, sc, out) },
+        // SAFETY: as above.
+        1 => return unsafe { fast::encode_v3(width, alpha, prev, cur, sc, out) },
+        _ => {}
     }
     encode_any(width, alpha, prev, cur, sc, out)
 }
@@ -360,9 +380,12 @@ pub(crate) fn decode(
         )));
     }
     #[cfg(target_arch = "x86_64")]
-    if v3::available() {
-        // SAFETY: the CPU has every feature the function is compiled for (checked above).
-        return unsafe { v3::decode(width, alpha, prev, payload, sc, out) };
+    match fast::level() {
+        // SAFETY: the CPU has every feature the function is compiled for (`fast::level`).
+        2 => return unsafe { fast::decode_v4(width, alpha, prev, payload, sc, out) },
+        // SAFETY: as above.
+        1 => return unsafe { fast::decode_v3(width, alpha, prev, payload, sc, out) },
+        _ => {}
     }
     decode_any(width, alpha, prev, payload, sc, out)
 }
@@ -419,9 +442,9 @@ mod tests {
     }
 
     #[test]
-    fn the_baseline_build_reads_and_writes_what_the_dispatched_one_does() {
-        // On a CPU with AVX2 the public functions run the `v3` build; the baseline build must
-        // produce and accept the same bytes (a blob moves between machines).
+    fn every_build_reads_and_writes_what_the_dispatched_one_does() {
+        // The public functions run the fastest build this CPU has; the others must produce
+        // and accept the same bytes (a blob moves between machines).
         let mut s = 4;
         for (width, alpha) in [
             (2usize, None),
@@ -439,6 +462,23 @@ mod tests {
             let mut b = Vec::new();
             encode_any(width, alpha, &prev, &cur, &mut Scratch::default(), &mut b);
             assert_eq!(a, b, "width {width}");
+            #[cfg(target_arch = "x86_64")]
+            if fast::level() >= 1 {
+                // The AVX2 build, which a CPU with AVX-512 does not pick by itself.
+                let mut c = Vec::new();
+                // SAFETY: the CPU has AVX2, BMI2 and LZCNT (`fast::level`).
+                unsafe {
+                    fast::encode_v3(width, alpha, &prev, &cur, &mut Scratch::default(), &mut c)
+                };
+                assert_eq!(a, c, "width {width}");
+                let mut back = vec![0u8; cur.len()];
+                // SAFETY: as above.
+                unsafe {
+                    fast::decode_v3(width, alpha, &prev, &a, &mut Scratch::default(), &mut back)
+                }
+                .expect("decode");
+                assert_eq!(back, cur);
+            }
             let mut back = vec![0u8; cur.len()];
             decode_any(width, alpha, &prev, &a, &mut Scratch::default(), &mut back)
                 .expect("decode");

@@ -161,7 +161,10 @@ fn every_thread_count_decodes_and_checks_the_hash_of_many_chunks() {
         let mut bad = blob.clone();
         let at = bad.len() / 2;
         bad[at] ^= 0x40;
-        assert!(decode(&bad, Some(&prev), threads).is_err(), "{threads} threads");
+        assert!(
+            decode(&bad, Some(&prev), threads).is_err(),
+            "{threads} threads"
+        );
     }
 }
 
