@@ -280,11 +280,85 @@ fn tensor_len(dtype: DType, shape: &[u64]) -> Option<u64> {
         .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
 }
 
-/// Per-thread scratch of the chunk coder.
+/// Per-thread scratch of the chunk encoder.
+#[derive(Default)]
 struct Scratch {
     planes: Vec<u8>,
     quant: Vec<u8>,
     mag: magnitude::Scratch,
+}
+
+/// Per-thread scratch of the chunk decoder.
+#[derive(Default)]
+struct DecodeScratch {
+    planes: Vec<u8>,
+    mag: magnitude::Scratch,
+}
+
+/// Scratch buffers kept between calls. The workers are new threads on every call, and a
+/// fresh buffer costs a page fault per 4 KiB the first time it is written: for a chunk of
+/// 1 MiB that is several percent of its coding time.
+struct Pool<T>(Mutex<Vec<T>>);
+
+/// Buffers kept per pool entry at most; larger ones (huge chunks) are freed.
+const POOLED_BYTES: usize = 16 << 20;
+/// Entries kept per pool at most.
+const POOLED_ENTRIES: usize = 16;
+
+static ENCODE_SCRATCH: Pool<Scratch> = Pool(Mutex::new(Vec::new()));
+static DECODE_SCRATCH: Pool<DecodeScratch> = Pool(Mutex::new(Vec::new()));
+
+/// Something that can say how much memory it holds on to.
+trait Held {
+    fn held_bytes(&self) -> usize;
+}
+
+impl Held for Scratch {
+    fn held_bytes(&self) -> usize {
+        self.planes.capacity() + self.quant.capacity() + self.mag.capacity_bytes()
+    }
+}
+
+impl Held for DecodeScratch {
+    fn held_bytes(&self) -> usize {
+        self.planes.capacity() + self.mag.capacity_bytes()
+    }
+}
+
+/// A value taken from a [`Pool`], given back when dropped.
+struct Pooled<T: Held + Default + 'static>(T, &'static Pool<T>);
+
+impl<T: Held + Default + 'static> Pool<T> {
+    fn take(&'static self) -> Pooled<T> {
+        let v = self.0.lock().ok().and_then(|mut v| v.pop());
+        Pooled(v.unwrap_or_default(), self)
+    }
+}
+
+impl<T: Held + Default + 'static> Drop for Pooled<T> {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        if v.held_bytes() <= POOLED_BYTES {
+            if let Ok(mut pool) = self.1 .0.lock() {
+                if pool.len() < POOLED_ENTRIES {
+                    pool.push(v);
+                }
+            }
+        }
+    }
+}
+
+impl<T: Held + Default + 'static> std::ops::Deref for Pooled<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T: Held + Default + 'static> std::ops::DerefMut for Pooled<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -477,16 +551,7 @@ pub fn encode(
             run_parallel(
                 work,
                 t,
-                || {
-                    Ok((
-                        PlaneEncoder::new(opts.level)?,
-                        Scratch {
-                            planes: Vec::new(),
-                            quant: Vec::new(),
-                            mag: magnitude::Scratch::default(),
-                        },
-                    ))
-                },
+                || Ok((PlaneEncoder::new(opts.level)?, ENCODE_SCRATCH.take())),
                 |(enc, sc), (i, slot, r)| {
                     let lo = i * chunk_bytes;
                     let hi = (lo + chunk_bytes).min(cur.len());
@@ -675,8 +740,7 @@ pub fn read_info(blob: &[u8]) -> Result<BlobInfo> {
 #[allow(clippy::too_many_arguments)]
 fn decode_chunk(
     dec: &mut PlaneDecoder,
-    planes: &mut Vec<u8>,
-    mag: &mut magnitude::Scratch,
+    sc: &mut DecodeScratch,
     info: &BlobInfo,
     index: usize,
     chunk: &[u8],
@@ -735,7 +799,7 @@ fn decode_chunk(
         None
     };
     if magnitude_coded {
-        return magnitude::decode(width, alpha, prev, &body[r.at..], mag, out)
+        return magnitude::decode(width, alpha, prev, &body[r.at..], &mut sc.mag, out)
             .map_err(|e| corrupt(format!("magnitude coding: {e}")));
     }
     let lanes_len = if tr == Transform::Quant {
@@ -744,6 +808,7 @@ fn decode_chunk(
         out.len()
     };
     let n = lanes_len / width;
+    let planes = &mut sc.planes;
     planes.resize(lanes_len, 0);
     let mut table = Vec::with_capacity(n_planes);
     for _ in 0..n_planes {
@@ -835,20 +900,14 @@ pub fn decode_into(
         }
         let t = threads(threads_requested);
         let n_chunks = work.len();
-        let init = || {
-            Ok((
-                PlaneDecoder::new()?,
-                Vec::new(),
-                magnitude::Scratch::default(),
-            ))
-        };
+        let init = || Ok((PlaneDecoder::new()?, DECODE_SCRATCH.take()));
         if t > 1 && n_chunks > 1 {
             // The hash runs on its own thread, chunk by chunk as they are done.
             let (tx, rx) = mpsc::channel::<(usize, &[u8])>();
             let (res, hash) = std::thread::scope(|scope| {
                 let hasher = scope.spawn(move || hash_in_order(n_chunks, rx));
-                let res = run_parallel(work, t, init, |(dec, planes, mag), (i, c, p, o)| {
-                    decode_chunk(dec, planes, mag, &info, i, c, p, o)?;
+                let res = run_parallel(work, t, init, |(dec, sc), (i, c, p, o)| {
+                    decode_chunk(dec, sc, &info, i, c, p, o)?;
                     // The receiver is gone only if the hasher panicked; its join reports it.
                     let _ = tx.send((i, &*o));
                     Ok(())
@@ -859,8 +918,8 @@ pub fn decode_into(
             res?;
             return check_hash(info, hash);
         }
-        run_parallel(work, t, init, |(dec, planes, mag), (i, c, p, o)| {
-            decode_chunk(dec, planes, mag, &info, i, c, p, o)
+        run_parallel(work, t, init, |(dec, sc), (i, c, p, o)| {
+            decode_chunk(dec, sc, &info, i, c, p, o)
         })?;
     }
     check_hash(info, Some(content_hash(out)))

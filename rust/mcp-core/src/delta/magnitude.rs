@@ -40,6 +40,17 @@ pub(crate) struct Scratch {
     mags: Vec<u64>,
 }
 
+impl Scratch {
+    /// Bytes the buffers hold on to.
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        2 * self.syms.capacity()
+            + self.bits.capacity()
+            + 2 * self.words.capacity()
+            + 4 * self.hist.capacity()
+            + 8 * self.mags.capacity()
+    }
+}
+
 /// The symbol and the magnitude of the residual of `c` against the prediction `pr`.
 ///
 /// In 32-bit arithmetic for lanes of up to 32 bits, so that the pass vectorises over twice
