@@ -6,7 +6,8 @@ steps t, t+1, t+10 and t+100. For each pair it reports, over all tensors:
 
 * zstd-3   python ``zstandard`` level 3 on the raw bytes of the newer checkpoint;
 * ZipNN    ``zipnn`` (PyPI) on the XOR delta of the two checkpoints (if installed);
-* mcp      ``mcp_fast.delta.encode(prev, cur)`` (ulp-delta + byte planes + zstd-1).
+* mcp      ``mcp_fast.delta.encode(prev, cur)`` (ulp distance to ``α · prev``, one rANS symbol
+           per element for its magnitude class and sign, the low bits raw).
 
 Ratios are raw bytes / stored bytes; throughputs are raw tensor bytes per second, single
 thread unless marked 2T. Run:  python benches/delta_vs_zipnn.py [--quick]
@@ -106,16 +107,19 @@ def compare(prev: dict[str, Any], cur: dict[str, Any], dtype: str, repeat: int) 
         blobs, t = timed(lambda: [c.compress(raw(v)) for v in cur.values()], repeat)
         res["zstd3_ratio"] = total / sum(map(len, blobs))
     if zipnn is not None:
-        z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
         xors = {
             k: (np.frombuffer(raw(prev[k]), np.uint8) ^ np.frombuffer(raw(v), np.uint8)).tobytes()
             for k, v in cur.items()
         }
-        blobs, t = timed(lambda: [z.compress(b) for b in xors.values()], repeat)
-        res["zipnn_ratio"] = total / sum(map(len, blobs))
-        res["zipnn_enc_mbs"] = total / t / 1e6
-        _, t = timed(lambda: [z.decompress(b) for b in blobs], repeat)
-        res["zipnn_dec_mbs"] = total / t / 1e6
+        for threads in (1, 2):
+            z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=threads)
+            blobs, t = timed(lambda z=z: [z.compress(b) for b in xors.values()], repeat)
+            if threads == 1:
+                res["zipnn_ratio"] = total / sum(map(len, blobs))
+            sfx = "" if threads == 1 else "_2t"
+            res["zipnn_enc_mbs" + sfx] = total / t / 1e6
+            _, t = timed(lambda z=z, bl=blobs: [z.decompress(b) for b in bl], repeat)
+            res["zipnn_dec_mbs" + sfx] = total / t / 1e6
     for threads in (1, 2):
         blobs, t = timed(
             lambda th=threads: {k: delta.encode(prev[k], v, threads=th) for k, v in cur.items()},
@@ -186,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"data: {source}; zstandard: {zstandard is not None}; zipnn: {zipnn is not None}")
     hdr = (
         f"{'dtype':>8} {'gap':>4} {'MiB':>6} {'zstd3':>6} {'zipnn':>6} {'mcp':>6} "
-        f"{'mcp/zipnn':>9} {'zipnn enc':>9} {'mcp enc':>8} {'enc 2T':>7} "
-        f"{'zipnn dec':>9} {'mcp dec':>8} {'dec 2T':>7}   (MB/s)"
+        f"{'mcp/zipnn':>9} | enc 1T zipnn / mcp, 2T zipnn / mcp | dec 1T zipnn / mcp, "
+        "2T zipnn / mcp   (MB/s)"
     )
     print(hdr)
     for tdtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
@@ -198,9 +202,10 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{name:>8} {gap:>4} {r['raw_mib']:>6.1f} {r.get('zstd3_ratio', 0):>6.2f} "
                 f"{zr:>6.2f} {r['mcp_ratio']:>6.2f} {r['mcp_ratio'] / zr:>9.2f} "
-                f"{r.get('zipnn_enc_mbs', 0):>9.0f} {r['mcp_enc_mbs_1t']:>8.0f} "
-                f"{r['mcp_enc_mbs_2t']:>7.0f} {r.get('zipnn_dec_mbs', 0):>9.0f} "
-                f"{r['mcp_dec_mbs_1t']:>8.0f} {r['mcp_dec_mbs_2t']:>7.0f}",
+                f"| {r.get('zipnn_enc_mbs', 0):>6.0f} / {r['mcp_enc_mbs_1t']:>5.0f}, "
+                f"{r.get('zipnn_enc_mbs_2t', 0):>5.0f} / {r['mcp_enc_mbs_2t']:>5.0f} "
+                f"| {r.get('zipnn_dec_mbs', 0):>6.0f} / {r['mcp_dec_mbs_1t']:>5.0f}, "
+                f"{r.get('zipnn_dec_mbs_2t', 0):>5.0f} / {r['mcp_dec_mbs_2t']:>5.0f}",
                 flush=True,
             )
     enc, dec = peak_memory(16_000_000 if args.quick else 64_000_000)

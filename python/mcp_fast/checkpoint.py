@@ -344,7 +344,7 @@ class DeltaCheckpointer:
     Args:
         directory: where the checkpoint files live (created if missing).
         full_every: store a full checkpoint every this many saves (1 = always full).
-        level: zstd level of the byte planes.
+        level: zstd level of the byte planes (full snapshots, non-float tensors).
         max_abs_error: if set, float tensors are stored with quantised (lossy) deltas within
             this absolute error; ``None`` (the default) is lossless.
         threads: codec threads, 0 for all cores.

@@ -2,9 +2,11 @@
 
 The coding runs in the Rust core (``mcp_fast._core``): every element is compared with the
 same element of ``prev`` (XOR for bytes and bools, wrapping difference for integers, distance
-in units in the last place for floats), the results are split into byte planes and each
-plane is stored as a constant, zstd or raw bytes. Chunks of 1 MiB are coded on all cores with
-the GIL released. Every blob carries the dtype, the shape, checksums and a 64-bit content
+in units in the last place for floats, against ``α · prev`` where one factor explains the
+change). Float residuals are coded one rANS symbol per element (magnitude class and sign)
+plus their raw low bits; other dtypes and full snapshots are split into byte planes, each
+stored as a constant, zstd or raw bytes. Chunks of 1 MiB are coded on all cores with the GIL
+released. Every blob carries the dtype, the shape, checksums and a 64-bit content
 hash of the tensor it decodes to, which :func:`decode` checks.
 
 Both numpy arrays and torch CPU tensors of every dtype torch uses are accepted (``float32``,
@@ -108,7 +110,7 @@ def encode(
         prev: the same tensor at the previous checkpoint, or ``None``. A ``prev`` of another
             shape or dtype is ignored and ``cur`` is stored in full.
         cur: the tensor to store.
-        level: zstd level of the byte planes (1–22).
+        level: zstd level of the byte planes (1–22): full snapshots and non-float dtypes.
         max_abs_error: turns on the lossy mode for float dtypes: every element decodes to
             within this absolute error of ``cur`` (never the default). ``prev`` must then be
             what a decoder holds (the previous *decoded* tensor) so errors do not add up.

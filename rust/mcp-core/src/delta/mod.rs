@@ -6,8 +6,12 @@
 //!    difference for integers, ulp distance for floats (`byteplane`), for floats against
 //!    `α · prev` when one factor `α` explains much of the chunk's change (`predict`: weight
 //!    decay, Adam's moment decay);
-//! 2. split the transformed elements into byte planes (4 for `float32`, 2 for `bfloat16`);
-//! 3. store each plane as a constant, zstd, or raw, whichever is smallest (`entropy`).
+//! 2. floats (16, 32 and 64-bit lanes): code each lane's residual as one rANS symbol — its
+//!    magnitude class and sign relative to the prediction — and the low bits of its
+//!    magnitude raw (`magnitude`, `rans`, `bits`);
+//! 3. other lanes, full snapshots, and small chunks where it is smaller: split the
+//!    transformed elements into byte planes and store each plane as a constant, zstd, or
+//!    raw, whichever is smallest (`entropy`).
 //!
 //! Chunks are coded on all cores; each blob carries its dtype, shape, per-chunk CRC32C and
 //! the xxh3-64 content hash of the tensor a decoder rebuilds, which [`decode_into`] checks.

@@ -24,7 +24,7 @@ const PROB_SCALE: u32 = 1 << PROB_BITS;
 /// Lower end of a normalised state.
 const L: u32 = 1 << 15;
 /// Interleaved states.
-pub(crate) const STATES: usize = 8;
+pub(crate) const STATES: usize = 16;
 /// Largest alphabet a table may describe.
 pub(crate) const MAX_ALPHABET: usize = 1024;
 
@@ -251,23 +251,41 @@ pub(crate) fn encode(syms: &[u16], table: &EncTable, words: &mut Vec<u16>, out: 
     }
 }
 
-/// Decoder table for one [`Freqs`]: for every slot, its symbol's frequency (bits 0-15),
-/// the slot's offset from the symbol's start (bits 16-31) and the symbol (bits 32-47), in
-/// one word so that a step does one load.
-pub(crate) struct DecTable(Vec<u64>);
+/// Decoder table for one [`Freqs`]. For every slot: its symbol's frequency (bits 0-15), the
+/// slot's offset from the symbol's start (bits 16-31) and the symbol (bits 32-47), in one
+/// word so that a scalar step does one load; and the same as two 32-bit tables (frequency
+/// and offset; symbol) for the vector decoder's gathers.
+pub(crate) struct DecTable {
+    slots: Vec<u64>,
+    freq_offset: Vec<u32>,
+    sym: Vec<u32>,
+}
 
 impl DecTable {
     /// Builds the table.
     pub(crate) fn new(freqs: &Freqs) -> DecTable {
-        let mut slots = vec![0u64; PROB_SCALE as usize];
+        let n = PROB_SCALE as usize;
+        let (mut slots, mut freq_offset, mut sym) = (vec![0u64; n], vec![0u32; n], vec![0u32; n]);
         let mut start = 0usize;
-        for (sym, &f) in freqs.as_slice().iter().enumerate() {
-            for (o, slot) in slots[start..start + f as usize].iter_mut().enumerate() {
-                *slot = u64::from(f) | (o as u64) << 16 | (sym as u64) << 32;
+        for (s, &f) in freqs.as_slice().iter().enumerate() {
+            let range = start..start + f as usize;
+            for (o, ((slot, fo), sy)) in slots[range.clone()]
+                .iter_mut()
+                .zip(&mut freq_offset[range.clone()])
+                .zip(&mut sym[range])
+                .enumerate()
+            {
+                *fo = f | (o as u32) << 16;
+                *sy = s as u32;
+                *slot = u64::from(*fo) | (s as u64) << 32;
             }
             start += f as usize;
         }
-        DecTable(slots)
+        DecTable {
+            slots,
+            freq_offset,
+            sym,
+        }
     }
 }
 
@@ -275,8 +293,19 @@ impl DecTable {
 /// consumed exactly and ends in the encoder's initial states.
 #[inline(always)]
 pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    let vector = avx512::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let vector = false;
+    decode_using(stream, table, syms, vector)
+}
+
+/// [`decode`], with the vector decoder for the bulk of the stream if `vector` (which the
+/// caller has checked the CPU runs).
+#[inline(always)]
+fn decode_using(stream: &[u8], table: &DecTable, syms: &mut [u16], vector: bool) -> Result<()> {
     let t: &[u64; PROB_SCALE as usize] = table
-        .0
+        .slots
         .as_slice()
         .try_into()
         .map_err(|_| DeltaError::Corrupt("rANS table".into()))?;
@@ -289,6 +318,14 @@ pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Resul
     }
     let words = &stream[4 * STATES..];
     let mut at = 0usize;
+    let mut done = 0usize;
+    #[cfg(target_arch = "x86_64")]
+    if vector && avx512::available() {
+        // SAFETY: the CPU has the features the function is compiled for (checked above).
+        done = unsafe { avx512::decode_groups(table, words, &mut st, &mut at, syms) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = vector;
     #[inline(always)]
     fn step(x: &mut u32, t: &[u64; PROB_SCALE as usize], words: &[u8], at: &mut usize) -> u16 {
         let slot = t[(*x & (PROB_SCALE - 1)) as usize];
@@ -303,7 +340,7 @@ pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Resul
         *at += 2 * usize::from(need);
         (slot >> 32) as u16
     }
-    let mut groups = syms.chunks_exact_mut(STATES);
+    let mut groups = syms[done..].chunks_exact_mut(STATES);
     for g in &mut groups {
         for (s, x) in g.iter_mut().zip(st.iter_mut()) {
             *s = step(x, t, words, &mut at);
@@ -325,6 +362,83 @@ pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Resul
         ));
     }
     Ok(())
+}
+
+/// The decoder with the [`STATES`] = 16 states in one AVX-512 vector: two gathers look up
+/// the slots, and the refill words are expanded into exactly the lanes that need one, in
+/// lane order, which is the order the scalar decoder reads them in. Same stream, same
+/// symbols, about three times fewer instructions per symbol.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    const _: () = assert!(
+        STATES == 16,
+        "one state per 32-bit lane of a 512-bit vector"
+    );
+
+    /// Whether this CPU runs [`decode_groups`].
+    pub(super) fn available() -> bool {
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vbmi2")
+    }
+
+    /// Decodes whole groups of 16 symbols into the front of `syms` while the stream has
+    /// 32 bytes left at `at` (the most one group can read); updates the states and `at` and
+    /// returns the symbols written.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")]
+    pub(super) fn decode_groups(
+        table: &DecTable,
+        words: &[u8],
+        st: &mut [u32; STATES],
+        at: &mut usize,
+        syms: &mut [u16],
+    ) -> usize {
+        debug_assert_eq!(table.freq_offset.len(), PROB_SCALE as usize);
+        debug_assert_eq!(table.sym.len(), PROB_SCALE as usize);
+        let fo = table.freq_offset.as_ptr();
+        let sy = table.sym.as_ptr();
+        // SAFETY: `st` is 16 u32s, read unaligned.
+        let mut x = unsafe { _mm512_loadu_si512(st.as_ptr().cast()) };
+        let slot_mask = _mm512_set1_epi32((PROB_SCALE - 1) as i32);
+        let low16 = _mm512_set1_epi32(0xffff);
+        let l = _mm512_set1_epi32(L as i32);
+        let mut done = 0;
+        let mut pos = *at;
+        for g in syms.chunks_exact_mut(STATES) {
+            if pos + 32 > words.len() {
+                break;
+            }
+            let slot = _mm512_and_si512(x, slot_mask);
+            // SAFETY: every index is below PROB_SCALE, the length of both tables.
+            let (f_o, s) = unsafe {
+                (
+                    _mm512_i32gather_epi32::<4>(slot, fo.cast()),
+                    _mm512_i32gather_epi32::<4>(slot, sy.cast()),
+                )
+            };
+            let freq = _mm512_and_si512(f_o, low16);
+            let offset = _mm512_srli_epi32::<16>(f_o);
+            x = _mm512_add_epi32(
+                _mm512_mullo_epi32(freq, _mm512_srli_epi32::<PROB_BITS>(x)),
+                offset,
+            );
+            let need = _mm512_cmplt_epu32_mask(x, l);
+            // SAFETY: at most 16 words (32 bytes) are read, and `pos + 32 <= words.len()`.
+            let w = unsafe { _mm256_maskz_expandloadu_epi16(need, words.as_ptr().add(pos).cast()) };
+            let refilled = _mm512_or_si512(_mm512_slli_epi32::<16>(x), _mm512_cvtepu16_epi32(w));
+            x = _mm512_mask_mov_epi32(x, need, refilled);
+            pos += 2 * need.count_ones() as usize;
+            // SAFETY: `g` is 16 u16s, written unaligned.
+            unsafe { _mm256_storeu_si256(g.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(s)) };
+            done += STATES;
+        }
+        // SAFETY: as the load above.
+        unsafe { _mm512_storeu_si512(st.as_mut_ptr().cast(), x) };
+        *at = pos;
+        done
+    }
 }
 
 #[cfg(test)]
@@ -350,9 +464,11 @@ mod tests {
         assert_eq!((back.clone(), used), (freqs.clone(), table.len()));
         let mut out = Vec::new();
         encode(syms, &EncTable::new(&freqs), &mut Vec::new(), &mut out);
-        let mut got = vec![u16::MAX; syms.len()];
-        decode(&out, &DecTable::new(&back), &mut got).expect("decode");
-        assert_eq!(got, syms);
+        for vector in [false, true] {
+            let mut got = vec![u16::MAX; syms.len()];
+            decode_using(&out, &DecTable::new(&back), &mut got, vector).expect("decode");
+            assert_eq!(got, syms, "vector decoder: {vector}");
+        }
         out.len()
     }
 
@@ -436,10 +552,12 @@ mod tests {
         encode(&syms, &EncTable::new(&freqs), &mut Vec::new(), &mut out);
         let dt = DecTable::new(&freqs);
         let mut got = vec![0u16; syms.len()];
-        assert!(decode(&out[..10], &dt, &mut got).is_err());
-        assert!(decode(&out[..out.len() - 2], &dt, &mut got).is_err());
-        let mut bad = out.clone();
-        bad[40] ^= 0x10;
-        assert!(decode(&bad, &dt, &mut got).is_err());
+        for vector in [false, true] {
+            assert!(decode_using(&out[..10], &dt, &mut got, vector).is_err());
+            assert!(decode_using(&out[..out.len() - 2], &dt, &mut got, vector).is_err());
+            let mut bad = out.clone();
+            bad[80] ^= 0x10;
+            assert!(decode_using(&bad, &dt, &mut got, vector).is_err());
+        }
     }
 }
