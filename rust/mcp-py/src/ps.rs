@@ -116,7 +116,7 @@ type PieceTuple = (
 );
 
 fn floats(b: &[u8], what: &str) -> PyResult<Vec<f32>> {
-    if b.len() % 4 != 0 {
+    if !b.len().is_multiple_of(4) {
         return Err(PyValueError::new_err(format!(
             "{what}: {} bytes is not a whole number of float32",
             b.len()

@@ -201,7 +201,7 @@ pub fn max_encoded_len(kind: CodecKind, dtype: DType, n_elems: usize) -> usize {
 /// `out`.
 pub fn encode(kind: CodecKind, dtype: DType, src: &[u8], out: &mut Vec<u8>) -> Result<()> {
     let plan = plan(kind, dtype)?;
-    if src.len() % dtype.size() != 0 {
+    if !src.len().is_multiple_of(dtype.size()) {
         return Err(Error::InvalidArgument(format!(
             "{} bytes is not a whole number of {dtype} elements",
             src.len()
@@ -307,7 +307,7 @@ pub fn decode_reduce(
 }
 
 fn whole_elems(dtype: DType, bytes: usize) -> Result<usize> {
-    if bytes % dtype.size() != 0 {
+    if !bytes.is_multiple_of(dtype.size()) {
         return Err(Error::InvalidArgument(format!(
             "an output of {bytes} bytes is not a whole number of {dtype} elements"
         )));

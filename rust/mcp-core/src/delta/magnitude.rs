@@ -385,7 +385,7 @@ pub(crate) fn decode(
     sc: &mut Scratch,
     out: &mut [u8],
 ) -> Result<()> {
-    if !supports(width) || out.len() % width != 0 {
+    if !supports(width) || !out.len().is_multiple_of(width) {
         return Err(DeltaError::Corrupt(format!(
             "magnitude coding of {width}-byte lanes"
         )));

@@ -493,7 +493,7 @@ mod tests {
         for n in [0usize, 1, 7, 8, 9, 1000, 65_537] {
             let skewed: Vec<u16> = (0..n)
                 .map(|_| {
-                    if lcg(&mut s) % 20 == 0 {
+                    if lcg(&mut s).is_multiple_of(20) {
                         1 + (lcg(&mut s) % 400) as u16
                     } else {
                         0
@@ -515,7 +515,7 @@ mod tests {
         // p(0) = 0.9, else uniform over 1..=16: H = 0.469 + 0.1·4 = 0.869 bits.
         let syms: Vec<u16> = (0..n)
             .map(|_| {
-                if lcg(&mut s) % 10 != 0 {
+                if !lcg(&mut s).is_multiple_of(10) {
                     0
                 } else {
                     1 + (lcg(&mut s) % 16) as u16

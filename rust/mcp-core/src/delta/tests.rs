@@ -79,7 +79,7 @@ fn specials(dtype: DType) -> Vec<u8> {
         .iter()
         .flat_map(|x| x.to_le_bytes()[..w].to_vec())
         .collect();
-    while out.len() % dtype.size() != 0 {
+    while !out.len().is_multiple_of(dtype.size()) {
         out.extend_from_slice(&v[0].to_le_bytes()[..w]);
     }
     out

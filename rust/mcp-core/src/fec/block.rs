@@ -16,7 +16,7 @@ pub fn check_shape(k: usize, m: usize, shard_bytes: usize) -> Result<()> {
             "block of k = {k} data and m = {m} parity shards (need 1 ≤ k ≤ {MAX_SHARDS}, m ≤ {MAX_SHARDS})"
         )));
     }
-    if shard_bytes == 0 || shard_bytes % 2 != 0 {
+    if shard_bytes == 0 || !shard_bytes.is_multiple_of(2) {
         return Err(Error::InvalidArgument(format!(
             "shard size {shard_bytes} must be even and non-zero"
         )));

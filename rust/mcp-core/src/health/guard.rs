@@ -94,7 +94,7 @@ fn float_dtype(dtype: DType, len: usize) -> Result<()> {
             dtype.name()
         )));
     }
-    if len % dtype.size() != 0 {
+    if !len.is_multiple_of(dtype.size()) {
         return Err(Error::InvalidArgument(format!(
             "{len} bytes is not a whole number of {} elements",
             dtype.name()

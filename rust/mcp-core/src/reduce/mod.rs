@@ -17,7 +17,7 @@ use bytemuck::Pod;
 /// `Avg` accumulates like `Sum`; call [`finish_avg`] once all contributions are in.
 /// Both slices hold elements of `dtype` in native byte order; they may be unaligned.
 pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<()> {
-    if dst.len() != src.len() || dst.len() % dtype.size() != 0 {
+    if dst.len() != src.len() || !dst.len().is_multiple_of(dtype.size()) {
         return Err(Error::InvalidArgument(format!(
             "reduce of {} bytes into {} bytes of {dtype}",
             src.len(),

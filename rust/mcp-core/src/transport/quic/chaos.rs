@@ -226,9 +226,9 @@ impl ChaosConfig {
 
 fn fmt_duration(d: Duration) -> String {
     let n = d.as_nanos();
-    if n % 1_000_000 == 0 {
+    if n.is_multiple_of(1_000_000) {
         format!("{}ms", n / 1_000_000)
-    } else if n % 1_000 == 0 {
+    } else if n.is_multiple_of(1_000) {
         format!("{}us", n / 1_000)
     } else {
         format!("{n}ns")
@@ -241,7 +241,7 @@ fn fmt_rate(bps: u64) -> String {
         ("mbit", 1_000_000),
         ("kbit", 1_000),
     ] {
-        if bps % scale == 0 {
+        if bps.is_multiple_of(scale) {
             return format!("{}{unit}", bps / scale);
         }
     }

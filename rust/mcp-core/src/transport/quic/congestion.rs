@@ -396,7 +396,7 @@ mod tests {
         let mut i = 0u32;
         drive(&mut s, &mut t, 30, 12_500, 10 * MS, |s, now, sent| {
             i += 1;
-            if i % 5 == 0 {
+            if i.is_multiple_of(5) {
                 s.on_congestion_event(now, sent, false, 10 * MS, 10 * MS);
                 assert!(s.window() >= settled * 9 / 10, "window {}", s.window());
             }
