@@ -38,6 +38,7 @@ pub(crate) struct Scratch {
     words: Vec<u16>,
     hist: Vec<u32>,
     mags: Vec<u64>,
+    nbits: Vec<u32>,
 }
 
 impl Scratch {
@@ -48,6 +49,7 @@ impl Scratch {
             + 2 * self.words.capacity()
             + 4 * self.hist.capacity()
             + 8 * self.mags.capacity()
+            + 4 * self.nbits.capacity()
     }
 }
 
@@ -233,7 +235,9 @@ fn decode_t<T: Word>(
     sc.syms.resize(n, 0);
     rans::decode(stream, &DecTable::new(&freqs), &mut sc.syms)?;
     sc.mags.resize(BLOCK, 0);
+    sc.nbits.resize(BLOCK, 0);
     let lows = &mut sc.mags[..];
+    let nbits = &mut sc.nbits[..];
     let mut br = BitReader::new(bits);
     for ((syms, o), p) in sc
         .syms
@@ -241,8 +245,16 @@ fn decode_t<T: Word>(
         .zip(out.chunks_mut(BLOCK * T::W))
         .zip(prev.chunks(BLOCK * T::W))
     {
-        for (l, &s) in lows.iter_mut().zip(syms) {
-            *l = get_bits::<T>(&mut br, sym_nbits(s));
+        if T::BITS <= 32 {
+            // The bit counts first, so that the reads need not wait on each other.
+            for (nb, &s) in nbits.iter_mut().zip(syms) {
+                *nb = sym_nbits(s);
+            }
+            br.get_many(&nbits[..syms.len()], &mut lows[..syms.len()]);
+        } else {
+            for (l, &s) in lows.iter_mut().zip(syms) {
+                *l = get_bits::<T>(&mut br, sym_nbits(s));
+            }
         }
         for (((o, p), &s), &l) in o
             .chunks_exact_mut(T::W)
