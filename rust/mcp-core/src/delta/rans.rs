@@ -170,7 +170,7 @@ struct EncSym {
 }
 
 /// Encoder tables for one [`Freqs`].
-pub(crate) struct EncTable(Vec<EncSym>);
+pub(crate) struct EncTable(Vec<EncSym>, Vec<u64>);
 
 impl EncTable {
     /// Builds the tables.
@@ -204,8 +204,18 @@ impl EncTable {
                 start += f;
                 s
             })
-            .collect();
-        EncTable(syms)
+            .collect::<Vec<EncSym>>();
+        // The vector encoder's table: the reciprocal (bits 0-31), bias (32-44), complement
+        // of the frequency (45-56) and shift (57-60) in one word, padded to the largest
+        // alphabet so that any index it gathers is inside.
+        let mut packed = vec![0u64; MAX_ALPHABET];
+        for (p, e) in packed.iter_mut().zip(&syms) {
+            *p = u64::from(e.rcp)
+                | u64::from(e.bias) << 32
+                | u64::from(e.cmpl) << 45
+                | u64::from(e.rcp_shift) << 57;
+        }
+        EncTable(syms, packed)
     }
 }
 
@@ -226,6 +236,23 @@ fn put(x: &mut u32, s: &EncSym, words: &mut [u16], k: &mut usize) {
 /// appends the stream to `out`; `words` is scratch.
 #[inline(always)]
 pub(crate) fn encode(syms: &[u16], table: &EncTable, words: &mut Vec<u16>, out: &mut Vec<u8>) {
+    #[cfg(target_arch = "x86_64")]
+    let vector = avx512::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let vector = false;
+    encode_using(syms, table, words, out, vector)
+}
+
+/// [`encode`], with the vector encoder for the whole groups if `vector` (and the CPU runs
+/// it): the same bytes either way.
+#[inline(always)]
+fn encode_using(
+    syms: &[u16],
+    table: &EncTable,
+    words: &mut Vec<u16>,
+    out: &mut Vec<u8>,
+    vector: bool,
+) {
     let t = table.0.as_slice();
     let mut st = [L; STATES];
     // At most one word per symbol, plus the slot the last branch-free store may touch.
@@ -236,7 +263,15 @@ pub(crate) fn encode(syms: &[u16], table: &EncTable, words: &mut Vec<u16>, out: 
     for (j, &s) in syms[full..].iter().enumerate().rev() {
         put(&mut st[j], &t[usize::from(s)], words, &mut k);
     }
-    for group in syms[..full].chunks_exact(STATES).rev() {
+    let mut groups = full / STATES;
+    #[cfg(target_arch = "x86_64")]
+    if vector && avx512::available() {
+        // SAFETY: the CPU has the features the function is compiled for (checked above).
+        groups = unsafe { avx512::encode_groups(table, &syms[..full], &mut st, words, &mut k) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = vector;
+    for group in syms[..groups * STATES].chunks_exact(STATES).rev() {
         for j in (0..STATES).rev() {
             put(&mut st[j], &t[usize::from(group[j])], words, &mut k);
         }
@@ -439,6 +474,88 @@ mod avx512 {
         *at = pos;
         done
     }
+
+    /// Encodes the whole groups of `syms` backwards from the last, 16 states in one vector,
+    /// and returns 0: the number of groups left to the scalar encoder, which must not run
+    /// first (the encoder goes from the end to the start). Emits the words in the scalar
+    /// encoder's order (lanes 15 to 0 of each group).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")]
+    pub(super) fn encode_groups(
+        table: &EncTable,
+        syms: &[u16],
+        st: &mut [u32; STATES],
+        words: &mut [u16],
+        k: &mut usize,
+    ) -> usize {
+        let packed = &table.1;
+        debug_assert_eq!(packed.len(), MAX_ALPHABET);
+        // SAFETY: `st` is 16 u32s, read unaligned.
+        let mut x = unsafe { _mm512_loadu_si512(st.as_ptr().cast()) };
+        let reverse = _mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let last = _mm512_set1_epi32(MAX_ALPHABET as i32 - 1);
+        let (bias_mask, cmpl_mask) = (_mm512_set1_epi32(0x1fff), _mm512_set1_epi32(0xfff));
+        let scale = _mm512_set1_epi32(PROB_SCALE as i32);
+        let hi_dwords = _mm512_set1_epi64(0xffff_ffff_0000_0000u64 as i64);
+        let mut at = *k;
+        for g in syms.chunks_exact(STATES).rev() {
+            // SAFETY: `g` is 16 u16s; every gathered index is clamped below MAX_ALPHABET,
+            // the length of `packed`.
+            let (lo, hi) = unsafe {
+                let idx = _mm512_min_epu32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(g.as_ptr().cast())),
+                    last,
+                );
+                (
+                    _mm512_i32gather_epi64::<8>(
+                        _mm512_castsi512_si256(idx),
+                        packed.as_ptr().cast(),
+                    ),
+                    _mm512_i32gather_epi64::<8>(
+                        _mm512_extracti64x4_epi64::<1>(idx),
+                        packed.as_ptr().cast(),
+                    ),
+                )
+            };
+            let join =
+                |a: __m256i, b: __m256i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
+            let rcp = join(_mm512_cvtepi64_epi32(lo), _mm512_cvtepi64_epi32(hi));
+            let meta = join(
+                _mm512_cvtepi64_epi32(_mm512_srli_epi64::<32>(lo)),
+                _mm512_cvtepi64_epi32(_mm512_srli_epi64::<32>(hi)),
+            );
+            let bias = _mm512_and_si512(meta, bias_mask);
+            let cmpl = _mm512_and_si512(_mm512_srli_epi32::<13>(meta), cmpl_mask);
+            let shift = _mm512_srli_epi32::<25>(meta);
+            let x_max = _mm512_slli_epi32::<19>(_mm512_sub_epi32(scale, cmpl));
+            let emit = _mm512_cmpge_epu32_mask(x, x_max);
+            // The words of lanes 15..0, packed: the scalar encoder's order.
+            let words16 = _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(reverse, x));
+            let n = emit.count_ones() as usize;
+            let dst = &mut words[at..at + n];
+            // SAFETY: exactly `n` words are stored, into `dst`, which holds `n`.
+            unsafe {
+                _mm256_mask_compressstoreu_epi16(
+                    dst.as_mut_ptr().cast(),
+                    emit.reverse_bits(),
+                    words16,
+                )
+            };
+            at += n;
+            x = _mm512_mask_srli_epi32::<16>(x, emit, x);
+            // q = (x · rcp) >> 32 >> shift, from the even and the odd lanes' 64-bit products.
+            let even = _mm512_srli_epi64::<32>(_mm512_mul_epu32(x, rcp));
+            let odd = _mm512_and_si512(
+                _mm512_mul_epu32(_mm512_srli_epi64::<32>(x), _mm512_srli_epi64::<32>(rcp)),
+                hi_dwords,
+            );
+            let q = _mm512_srlv_epi32(_mm512_or_si512(even, odd), shift);
+            x = _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_mullo_epi32(q, cmpl));
+        }
+        // SAFETY: as the load above.
+        unsafe { _mm512_storeu_si512(st.as_mut_ptr().cast(), x) };
+        *k = at;
+        0
+    }
 }
 
 #[cfg(test)]
@@ -463,7 +580,25 @@ mod tests {
         let (back, used) = Freqs::read(&table, MAX_ALPHABET).expect("table");
         assert_eq!((back.clone(), used), (freqs.clone(), table.len()));
         let mut out = Vec::new();
-        encode(syms, &EncTable::new(&freqs), &mut Vec::new(), &mut out);
+        encode_using(
+            syms,
+            &EncTable::new(&freqs),
+            &mut Vec::new(),
+            &mut out,
+            false,
+        );
+        let mut vout = Vec::new();
+        encode_using(
+            syms,
+            &EncTable::new(&freqs),
+            &mut Vec::new(),
+            &mut vout,
+            true,
+        );
+        assert_eq!(
+            vout, out,
+            "the vector encoder writes the scalar encoder's bytes"
+        );
         for vector in [false, true] {
             let mut got = vec![u16::MAX; syms.len()];
             decode_using(&out, &DecTable::new(&back), &mut got, vector).expect("decode");
