@@ -132,9 +132,11 @@ def test_killed_peer_is_reported_by_every_survivor(world: int) -> None:
         assert isinstance(f, Failure) and f.type == "PeerLostError", f
         assert f.attrs.get("rank") == world - 1, f.attrs
     assert res[world - 1].type == "Died"
-    # Within 3 heartbeats of 0.5 s, plus 0.25 s of scheduling noise on a loaded 2-core machine.
+    # Found by the heartbeats (3 of 0.5 s), not by the operation's 60 s timeout. The bound
+    # leaves room for a stalled 2-vCPU machine (one CI run here took 2.5 s); how fast
+    # detection is, as a distribution, is measured by benches/bench_failure_detection.py.
     for r in range(world - 1):
-        assert 0 < res[r].attrs["detected_after"] < 3 * 0.5 + 0.25, res[r].attrs
+        assert 0 < res[r].attrs["detected_after"] < 4.0, res[r].attrs
     assert time.monotonic() - t0 < 20
 
 
