@@ -6,8 +6,10 @@
 //!          tensor a decoder rebuilds) | max_abs_error f64 | ndim × dim u64
 //!          | n_chunks × coded chunk length u32 | crc32c of all the above u32
 //! chunk    transform u8 | lane width u8 | n_planes u8 | [scale factor α f32, only for the
-//!          scaled float transform] | n_planes × (method u8, length u32)
-//!          | the planes' payloads | crc32c of the chunk's preceding bytes u32
+//!          scaled float transform] | body | crc32c of the chunk's preceding bytes u32
+//! body     n_planes > 0: n_planes × (method u8, length u32) | the planes' payloads
+//!          n_planes = 0 (float residuals, `magnitude`): rANS frequency table | rANS stream
+//!          length u32 | rANS stream | raw low bits
 //! ```
 //! All integers are little-endian. Chunk `i` covers bytes `[i·chunk_bytes, (i+1)·chunk_bytes)`
 //! of the tensor; chunks are coded independently, in parallel, with bounded scratch memory.
@@ -75,7 +77,9 @@ impl Mode {
 /// Options of [`encode`].
 #[derive(Debug, Clone)]
 pub struct EncodeOptions {
-    /// zstd level for the planes (1–22; 1–3 are fast and nearly as good on deltas).
+    /// zstd level of byte planes (1–22; 1–3 are fast and nearly as good on deltas): full
+    /// snapshots, non-float tensors, and float chunks under 64 KiB where byte planes come
+    /// out smaller than the rANS coding of float deltas.
     pub level: i32,
     /// Bytes of tensor per independently coded chunk (rounded down to a multiple of 16).
     pub chunk_bytes: usize,
@@ -402,11 +406,7 @@ fn encode_chunk(
     let mut mag = None;
     if matches!(tr, Transform::FloatSub | Transform::ScaledFloatSub) && magnitude::supports(width) {
         // Magnitude coding, marked by a plane count of 0.
-        let mut out = Vec::with_capacity(cur.len() / 2);
-        out.extend_from_slice(&[tr as u8, width as u8, 0]);
-        if let Some(a) = alpha {
-            out.extend_from_slice(&a.to_le_bytes());
-        }
+        let mut out = chunk_head(cur.len() / 2, tr, width, 0, alpha);
         magnitude::encode(width, alpha, prev, cur, &mut sc.mag, &mut out);
         let crc = crc32c::crc32c(&out);
         out.extend_from_slice(&crc.to_le_bytes());
@@ -423,6 +423,23 @@ fn encode_chunk(
         Some(m) if m.len() <= planes.len() => m,
         _ => planes,
     }
+}
+
+/// A chunk's first bytes: transform, lane width, plane count (0: magnitude-coded) and the
+/// scale factor of the scaled transform, in a buffer of `capacity`.
+fn chunk_head(
+    capacity: usize,
+    tr: Transform,
+    width: usize,
+    n_planes: usize,
+    alpha: Option<f32>,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(capacity);
+    out.extend_from_slice(&[tr as u8, width as u8, n_planes as u8]);
+    if let Some(a) = alpha {
+        out.extend_from_slice(&a.to_le_bytes());
+    }
+    out
 }
 
 /// Below this many bytes a chunk is coded both ways and the smaller kept.
@@ -442,11 +459,7 @@ fn encode_planes(
     planes.resize(lanes.len(), 0);
     byteplane::split(tr, width, alpha.unwrap_or(1.0), prev, lanes, planes);
     let n = lanes.len() / width;
-    let mut out = Vec::with_capacity(7 + 5 * width);
-    out.extend_from_slice(&[tr as u8, width as u8, width as u8]);
-    if let Some(a) = alpha {
-        out.extend_from_slice(&a.to_le_bytes());
-    }
+    let mut out = chunk_head(7 + 5 * width, tr, width, width, alpha);
     let table = out.len();
     out.resize(table + 5 * width, 0);
     let mut lens = Vec::with_capacity(width);

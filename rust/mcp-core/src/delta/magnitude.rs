@@ -273,6 +273,21 @@ pub(crate) fn supports(width: usize) -> bool {
     matches!(width, 2 | 4 | 8) && alphabet(8 * width as u32) <= MAX_ALPHABET
 }
 
+/// Calls `$f::<T>(predict, args...)` with the lane type of `$width` and the prediction of
+/// `$alpha` (the previous lane, or `α ·` it): one monomorphised coder for each.
+macro_rules! per_lane {
+    ($f:ident, $width:expr, $alpha:expr, $($arg:expr),*) => {
+        match ($width, $alpha) {
+            (2, None) => $f::<u16>(|p| p, $($arg),*),
+            (2, Some(a)) => $f::<u16>(|p| p.scaled(a), $($arg),*),
+            (4, None) => $f::<u32>(|p| p, $($arg),*),
+            (4, Some(a)) => $f::<u32>(|p| p.scaled(a), $($arg),*),
+            (_, None) => $f::<u64>(|p| p, $($arg),*),
+            (_, Some(a)) => $f::<u64>(|p| p.scaled(a), $($arg),*),
+        }
+    };
+}
+
 #[inline(always)]
 fn encode_any(
     width: usize,
@@ -282,14 +297,7 @@ fn encode_any(
     sc: &mut Scratch,
     out: &mut Vec<u8>,
 ) {
-    match (width, alpha) {
-        (2, None) => encode_t::<u16>(|p| p, prev, cur, sc, out),
-        (2, Some(a)) => encode_t::<u16>(|p| p.scaled(a), prev, cur, sc, out),
-        (4, None) => encode_t::<u32>(|p| p, prev, cur, sc, out),
-        (4, Some(a)) => encode_t::<u32>(|p| p.scaled(a), prev, cur, sc, out),
-        (_, None) => encode_t::<u64>(|p| p, prev, cur, sc, out),
-        (_, Some(a)) => encode_t::<u64>(|p| p.scaled(a), prev, cur, sc, out),
-    }
+    per_lane!(encode_t, width, alpha, prev, cur, sc, out)
 }
 
 #[inline(always)]
@@ -301,14 +309,7 @@ fn decode_any(
     sc: &mut Scratch,
     out: &mut [u8],
 ) -> Result<()> {
-    match (width, alpha) {
-        (2, None) => decode_t::<u16>(|p| p, prev, payload, sc, out),
-        (2, Some(a)) => decode_t::<u16>(|p| p.scaled(a), prev, payload, sc, out),
-        (4, None) => decode_t::<u32>(|p| p, prev, payload, sc, out),
-        (4, Some(a)) => decode_t::<u32>(|p| p.scaled(a), prev, payload, sc, out),
-        (_, None) => decode_t::<u64>(|p| p, prev, payload, sc, out),
-        (_, Some(a)) => decode_t::<u64>(|p| p.scaled(a), prev, payload, sc, out),
-    }
+    per_lane!(decode_t, width, alpha, prev, payload, sc, out)
 }
 
 /// The coder compiled for x86-64 CPUs with more than the baseline's SSE2, picked at run

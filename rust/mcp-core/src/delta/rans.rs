@@ -69,6 +69,9 @@ impl Freqs {
                     break;
                 };
                 let take = excess.min(f[m] - 1).min((f[m] / 16).max(1));
+                if take == 0 {
+                    break; // every frequency is 1: cannot happen below MAX_ALPHABET symbols
+                }
                 f[m] -= take;
                 excess -= take;
             }
@@ -335,8 +338,8 @@ pub(crate) fn decode(stream: &[u8], table: &DecTable, syms: &mut [u16]) -> Resul
     decode_using(stream, table, syms, vector)
 }
 
-/// [`decode`], with the vector decoder for the bulk of the stream if `vector` (which the
-/// caller has checked the CPU runs).
+/// [`decode`], with the vector decoder for the bulk of the stream if `vector` and the CPU
+/// runs it: the same symbols either way.
 #[inline(always)]
 fn decode_using(stream: &[u8], table: &DecTable, syms: &mut [u16], vector: bool) -> Result<()> {
     let t: &[u64; PROB_SCALE as usize] = table
