@@ -27,6 +27,7 @@ TRANSPORT = {
     "bytes_sent",
     "bytes_received",
     "corrupt_frames",
+    "retransmits",
     "refused_handshakes",
 }
 
@@ -179,6 +180,7 @@ _EXPECTED = [
     "mcp_bytes_received_total",
     "mcp_frames_sent_total",
     "mcp_corrupt_frames_total",
+    "mcp_retransmits_total",
     "mcp_peer_rtt_seconds",
     "mcp_peer_connected",
     "mcp_ops_total",
@@ -214,6 +216,8 @@ def test_exporters_serve_prometheus_text(exporters):
             assert name in s, f"{name} missing from rank {rank}'s metrics:\n{text}"
         [(labels, sent)] = s["mcp_bytes_sent_total"]
         assert labels == {"rank": str(rank)} and sent > 4 * (1 << 16)
+        [(labels, resent)] = s["mcp_retransmits_total"]
+        assert labels == {"rank": str(rank), "reason": "checksum"} and resent == 0
         [(labels, rtt)] = s["mcp_peer_rtt_seconds"]
         assert labels == {"rank": str(rank), "peer": str(1 - rank)} and 0 < rtt < 1
         ops = {(lab["op"], lab["result"]): v for lab, v in s["mcp_ops_total"]}

@@ -310,3 +310,21 @@ def auto_on_long_path(rank: int, world: int, spec: str, rounds: int) -> dict[str
             want = sum(data("float32", "sum", r, n, salt=i) for r in range(world))
             np.testing.assert_array_equal(a, want)
         return {"lane_stats": g.lane_stats(), "corrupt_frames": g.stats()["corrupt_frames"]}
+
+
+def healed(rank: int, world: int, rounds: int) -> dict[str, Any]:
+    """All-reduces of mixed sizes and broadcasts through the faults of ``MCP_CHAOS`` on the lane
+    of ``MCP_LANE``; every result is checked here, exactly."""
+    with mcp.init(timeout=120, heartbeat=10) as g:
+        for i in range(rounds):
+            n = (1000, 65_537, 300_001)[i % 3]
+            a = data("float32", "sum", rank, n, salt=i)
+            g.all_reduce(a)
+            want = sum(data("float32", "sum", r, n, salt=i) for r in range(world))
+            np.testing.assert_array_equal(a, want)
+            b = data("int64", "sum", 0, 50_000, salt=i)
+            if rank != i % world:
+                b[:] = 0
+            g.broadcast(b, src=i % world)
+            np.testing.assert_array_equal(b, data("int64", "sum", 0, 50_000, salt=i))
+        return {"lane": g.lane, "stats": g.stats(), "lane_stats": g.lane_stats()}

@@ -13,10 +13,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from . import _core
 from ._buffers import Buffer, view
 from .errors import GroupClosedError
+from .settings import Settings
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
 _ALGORITHMS = {"auto", "ring", "tree", "recursive_doubling", "rd"}
-_LANES = {"auto", "stream", "fec"}
 
 
 def _op_name(op: Any) -> str:
@@ -515,11 +515,12 @@ def init(
     secret: str | bytes | None = None,
     timeout: float | None = None,
     connect_timeout: float | None = None,
-    idle_timeout: float = 30.0,
+    idle_timeout: float | None = None,
     chunk_bytes: int = 1 << 20,
     chaos: Chaos | str | None = None,
-    heartbeat: float = 5.0,
+    heartbeat: float | None = None,
     lane: str | None = None,
+    resend_limit: int | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -537,7 +538,10 @@ def init(
     data travels: ``"stream"`` on reliable QUIC streams only; ``"fec"`` every data frame as
     Reed-Solomon coded datagrams (the loss-proof bulk lane); ``"auto"`` streams, and the FEC
     lane for frames of 256 KiB and more once packet loss above 1 % is measured on the path.
-    Results are bit-exact on every lane.
+    Results are bit-exact on every lane. A frame that fails its checksum (damaged above
+    QUIC, e.g. in memory) is asked for again, up to ``resend_limit`` times (default
+    ``MCP_RESEND_LIMIT`` or 8) before the operation fails with ``ProtocolError``.
+    Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
@@ -550,30 +554,23 @@ def init(
     master_addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     if master_port is None:
         master_port = _env_int("MASTER_PORT") or 29500
-    if secret is None:
-        secret = os.environ.get("MCP_SECRET") or None
-    secret_bytes = secret.encode() if isinstance(secret, str) else secret
-    if timeout is None:
-        timeout = float(os.environ.get("MCP_TIMEOUT", "300"))
-    if chaos is None:
-        chaos = os.environ.get("MCP_CHAOS") or None
-    if lane is None:
-        lane = os.environ.get("MCP_LANE") or "auto"
-    if lane not in _LANES:
-        raise ValueError(f"lane must be one of {sorted(_LANES)}, got {lane!r}")
+    settings = Settings.resolve(
+        secret=secret,
+        timeout=timeout,
+        connect_timeout=connect_timeout,
+        idle_timeout=idle_timeout,
+        heartbeat=heartbeat,
+        chaos=chaos,
+        lane=lane,
+        resend_limit=resend_limit,
+    )
     core = _core.ProcessGroup(
         rank,
         world_size,
         master_addr,
         master_port,
-        secret=secret_bytes,
-        timeout=timeout,
-        connect_timeout=connect_timeout if connect_timeout is not None else timeout,
-        idle_timeout=idle_timeout,
         chunk_bytes=chunk_bytes,
         protocol_major=_protocol_major,
-        chaos=str(chaos) if chaos is not None else None,
-        heartbeat=heartbeat,
-        lane=lane,
+        **settings.core_kwargs(),
     )
     return Group(core)

@@ -138,6 +138,13 @@ def _families(snap: dict[str, Any]) -> list[_Family]:
             (base, 1.0 if g["open"] else 0.0)
         )
         for key, value in sorted(g["transport"].items()):
+            if key == "retransmits":
+                fam(
+                    "mcp_retransmits",
+                    "counter",
+                    "Frames sent again, by reason (checksum: the receiver found them damaged)",
+                ).samples.append(({**base, "reason": "checksum"}, float(value)))
+                continue
             help = _TRANSPORT_HELP.get(key, f"Transport counter {key}")
             fam(f"mcp_{key}", "counter", help).samples.append((base, float(value)))
         for peer, rtt in sorted(g["rtt"].items()):

@@ -65,6 +65,7 @@ import numpy as np
 from . import _core
 from ._buffers import Buffer, view
 from .checkpoint import DeltaCheckpointer
+from .settings import Settings
 
 __all__ = [
     "Server",
@@ -77,20 +78,17 @@ __all__ = [
 
 
 def _secret_bytes(secret: str | bytes | None) -> bytes:
-    if secret is None:
-        secret = os.environ.get("MCP_SECRET") or None
+    secret = Settings.resolve(secret=secret).secret
     if secret is None:
         raise ValueError(
             "the parameter server needs the job secret: pass secret= or set MCP_SECRET "
             "(ps.launch generates one for the processes it starts)"
         )
-    return secret.encode() if isinstance(secret, str) else bytes(secret)
+    return secret
 
 
 def _chaos(chaos: Any) -> str | None:
-    if chaos is None:
-        chaos = os.environ.get("MCP_CHAOS") or None
-    return str(chaos) if chaos is not None else None
+    return Settings.resolve(chaos=chaos).chaos
 
 
 def _f32(x: Any, name: str, writable: bool) -> Buffer:
@@ -518,7 +516,7 @@ def launch(
     checkpoint (``restart_servers``). A failed worker raises ``RuntimeError`` with its error.
     """
     ctx = mp.get_context("spawn")
-    sec = _secret_bytes(secret) if (secret or os.environ.get("MCP_SECRET")) else None
+    sec = Settings.resolve(secret=secret).secret
     if sec is None:
         sec = _secrets.token_hex(16).encode()
     ports = list(ports) if ports is not None else [_free_udp_port(host) for _ in range(num_servers)]
@@ -616,7 +614,8 @@ def run_from_env(
     port = int(os.environ.get("MASTER_PORT", "29500"))
     if world <= num_servers:
         raise ValueError(f"{world} ranks leave no worker beside {num_servers} servers")
-    sec = os.environ.get("MCP_SECRET")
+    given = Settings.resolve().secret
+    sec = given.decode() if given is not None else None
     if not sec:
         from torch.distributed import TCPStore
 

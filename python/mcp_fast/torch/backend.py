@@ -14,6 +14,7 @@ CUDA tensors are staged through host memory (see ``_staging``).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import secrets
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from .. import _core
 from ..group import Group, Work
+from ..settings import Settings
 from ._staging import Staged, stage
 
 BACKEND = "mcp"
@@ -165,20 +167,20 @@ class MCPProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         seconds = max(1.0, timeout.total_seconds())
-        # The rendezvous may be bounded more tightly than operations (MCP_CONNECT_TIMEOUT).
-        connect = float(os.environ.get("MCP_CONNECT_TIMEOUT", seconds))
-        secret = os.environ.get("MCP_SECRET")
-        if secret is None:
+        # torch's timeout bounds every operation; the rest comes from MCP_* like mcp.init's.
+        settings = Settings.resolve(timeout=seconds)
+        if settings.secret is None:
+            # torch's Store is the trust boundary here, as for Gloo.
             if rank == 0:
                 secret = secrets.token_hex(32)
                 store.set("mcp/secret", secret)
             else:
                 secret = store.get("mcp/secret").decode()
+            settings = dataclasses.replace(settings, secret=secret.encode())
         kwargs: dict[str, Any] = {
-            "secret": secret.encode(),
-            "timeout": seconds,
-            "connect_timeout": min(seconds, connect),
-            "idle_timeout": float(os.environ.get("MCP_IDLE_TIMEOUT", "30")),
+            **settings.core_kwargs(),
+            # The rendezvous may be bounded more tightly than operations (MCP_CONNECT_TIMEOUT).
+            "connect_timeout": min(seconds, settings.connect_timeout),
         }
         if rank == 0:
             try:

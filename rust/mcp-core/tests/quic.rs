@@ -231,6 +231,96 @@ async fn fec_lane_is_exact_through_loss_and_corruption() {
     }
 }
 
+/// The stream lane through a socket that loses 20 % of the datagrams, with 5 % of the frames
+/// damaged above QUIC (where QUIC's AEAD cannot see it): every damaged frame fails its
+/// checksum, is sent again, and the all-reduce is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_lane_resends_damaged_frames_and_stays_exact() {
+    use mcp_core::transport::quic::{chaos::ChaosConfig, LanePolicy};
+    use std::sync::atomic::Ordering::Relaxed;
+    let ts = mesh_with(3, |c| {
+        c.bulk.policy = LanePolicy::Stream;
+        c.chaos = Some(ChaosConfig::parse("loss=0.2,corrupt=0.05,seed=5").expect("spec"));
+    })
+    .await;
+    all_reduce_over(ts.clone(), 300_001).await;
+    let resent: u64 = ts.iter().map(|t| t.stats().retransmits.load(Relaxed)).sum();
+    let damaged: u64 = ts
+        .iter()
+        .map(|t| t.stats().corrupt_frames.load(Relaxed))
+        .sum();
+    assert!(resent > 0, "no frame was resent");
+    assert_eq!(
+        resent, damaged,
+        "every damaged copy is asked for again, once"
+    );
+}
+
+/// A frame damaged on every attempt fails the operation once the configured resend limit is
+/// spent, with a `ProtocolError` that names the peer, the operation and the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_lane_gives_up_after_the_resend_limit() {
+    use mcp_core::transport::quic::{chaos::ChaosConfig, LanePolicy};
+    use std::sync::atomic::Ordering::Relaxed;
+    let ts = mesh_with(2, |c| {
+        c.bulk.policy = LanePolicy::Stream;
+        c.resend_limit = 2;
+        c.chaos = Some(ChaosConfig::parse("corrupt=1.0,seed=3").expect("spec"));
+    })
+    .await;
+    let tasks: Vec<_> = ts
+        .iter()
+        .map(|t| {
+            let g = Group::new(t.clone(), GroupConfig::default());
+            tokio::spawn(async move {
+                let mut data = vec![1.0f32; 1000];
+                let shape = [1000u64];
+                let bytes = bytemuck_bytes(&mut data);
+                // SAFETY: `data` outlives the awaited operation and nothing else touches it.
+                let buf = unsafe { RawBuf::new(bytes.as_mut_ptr(), bytes.len()) };
+                let t = Tensor {
+                    buf,
+                    dtype: DType::F32,
+                    shape: &shape,
+                    codec: Codec::None,
+                };
+                let res = g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await;
+                g.close().await;
+                res
+            })
+        })
+        .collect();
+    let mut named = 0;
+    for t in tasks {
+        match t.await.expect("join") {
+            Err(Error::Protocol(m)) => {
+                if m.contains("2 resends") {
+                    assert!(m.contains("from rank") && m.contains("all_reduce"), "{m}");
+                    assert!(m.contains("failed 3 times"), "{m}");
+                    named += 1;
+                }
+            }
+            other => panic!("expected a ProtocolError, got {other:?}"),
+        }
+    }
+    assert!(named >= 1, "no rank named the resend count");
+    for t in &ts {
+        assert_eq!(t.stats().retransmits.load(Relaxed), 2, "rank {}", t.rank());
+    }
+}
+
+/// A resend limit above what a receiver may ask for is refused before anything binds.
+#[tokio::test]
+async fn a_resend_limit_past_the_maximum_is_refused() {
+    let mut c = config(0, 1, free_port(), Some(b"s"));
+    c.resend_limit = mcp_core::transport::MAX_RESENDS + 1;
+    match QuicTransport::connect(c).await {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("resend_limit"), "{m}"),
+        Err(e) => panic!("expected InvalidArgument, got {e}"),
+        Ok(_) => panic!("expected InvalidArgument, got a transport"),
+    }
+}
+
 /// The stream lane never sends a shard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_lane_sends_no_shards() {

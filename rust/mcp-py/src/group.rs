@@ -172,7 +172,7 @@ impl ProcessGroup {
     #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
-                        heartbeat=5.0, lane=None))]
+                        heartbeat=5.0, lane=None, resend_limit=8))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -191,6 +191,7 @@ impl ProcessGroup {
         chaos: Option<&str>,
         heartbeat: f64,
         lane: Option<&str>,
+        resend_limit: u32,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -205,6 +206,7 @@ impl ProcessGroup {
         cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
         cfg.idle_timeout = seconds("idle_timeout", idle_timeout)?;
         cfg.heartbeat = seconds("heartbeat", heartbeat)?;
+        cfg.resend_limit = resend_limit;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
         }
@@ -275,8 +277,8 @@ impl ProcessGroup {
             .map_err(|e| to_py(py, e))
     }
 
-    /// Transport counters: frames and bytes sent and received, corrupt frames, refused
-    /// handshakes.
+    /// Transport counters: frames and bytes sent and received, corrupt frames, frames resent
+    /// after a failed checksum, refused handshakes.
     fn stats(&self) -> std::collections::HashMap<&'static str, u64> {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.group.transport().stats();
@@ -285,6 +287,7 @@ impl ProcessGroup {
             ("frames_received", s.frames_received.load(Relaxed)),
             ("frames_sent", s.frames_sent.load(Relaxed)),
             ("corrupt_frames", s.corrupt_frames.load(Relaxed)),
+            ("retransmits", s.retransmits.load(Relaxed)),
             ("bytes_sent", s.bytes_sent.load(Relaxed)),
             ("bytes_received", s.bytes_received.load(Relaxed)),
         ]

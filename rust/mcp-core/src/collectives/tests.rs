@@ -631,7 +631,63 @@ async fn a_killed_rank_is_a_lost_peer_for_every_survivor() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn corrupted_payloads_are_detected_never_used() {
+async fn damaged_frames_are_resent_and_every_result_stays_exact() {
+    // One frame in ten damaged: every damaged copy fails its checksum and is sent again.
+    for seed in 0..3 {
+        let chaos = Some(MemChaos {
+            seed,
+            max_delay: Duration::from_micros(100),
+            corrupt: 0.1,
+        });
+        for w in [2, 3, 4] {
+            for algo in [
+                Algorithm::Ring,
+                Algorithm::Tree,
+                Algorithm::RecursiveDoubling,
+            ] {
+                all_reduce_case(w, DType::F32, ReduceOp::Sum, 5000, algo, chaos).await;
+            }
+            broadcast_case(w, w - 1, 3001, chaos).await;
+            all_gather_case(w, 2999, chaos).await;
+            reduce_scatter_case(w, DType::I64, ReduceOp::Sum, 1001, chaos).await;
+        }
+    }
+    // And the resends really happen.
+    let ts = network(
+        3,
+        Some(MemChaos {
+            seed: 1,
+            max_delay: Duration::ZERO,
+            corrupt: 0.1,
+        }),
+    );
+    let handles: Vec<_> = ts
+        .iter()
+        .enumerate()
+        .map(|(r, t)| {
+            let g = Group::new(t.clone(), cfg());
+            tokio::spawn(async move {
+                let shape = vec![20_000u64];
+                let mut buf = input(DType::F32, ReduceOp::Sum, r, 20_000, 0);
+                // SAFETY: `buf` outlives the awaited operation.
+                let t = Tensor {
+                    buf: unsafe { RawBuf::from_slice(&mut buf) },
+                    dtype: DType::F32,
+                    shape: &shape,
+                    codec: Codec::None,
+                };
+                g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
+            })
+        })
+        .collect();
+    for h in handles {
+        h.await.expect("join").expect("all-reduce heals");
+    }
+    assert!(ts[0].retransmits() > 0, "no frame was resent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_damaged_past_the_resend_limit_fail_with_the_count_never_used() {
     let chaos = Some(MemChaos {
         seed: 7,
         max_delay: Duration::from_micros(10),
@@ -652,9 +708,21 @@ async fn corrupted_payloads_are_detected_never_used() {
         g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
     })
     .await;
+    let limit = crate::transport::DEFAULT_RESEND_LIMIT;
+    let mut named = 0;
     for (r, res) in results.into_iter().enumerate() {
-        assert!(matches!(res, Err(Error::Protocol(_))), "rank {r}: {res:?}");
+        match res {
+            Err(Error::Protocol(m)) => {
+                // The rank that received the frame names it; the others learn of the abort.
+                if m.contains("checksum") && m.contains(&format!("{limit} resends")) {
+                    assert!(m.contains("all_reduce") && m.contains("from rank"), "{m}");
+                    named += 1;
+                }
+            }
+            other => panic!("rank {r}: expected ProtocolError, got {other:?}"),
+        }
     }
+    assert!(named >= 1, "no rank named the resend count");
 }
 
 #[tokio::test]

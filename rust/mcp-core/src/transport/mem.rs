@@ -1,12 +1,17 @@
 //! An in-memory transport: every rank lives in one process and frames are handed straight to
 //! the receiver's mailbox. With [`MemChaos`] it delays (and so reorders) and corrupts frames
 //! from a seed, which is how `cargo test` runs every collective against a bad network.
+//!
+//! A damaged frame heals as on QUIC's stream lane: the receiver's checksum fails, the sender
+//! delivers its kept copy again (damaged again with the same probability), and only after
+//! [`DEFAULT_RESEND_LIMIT`] failed resends does the receive fail.
 
-use super::{Frame, Mailbox, MsgKey, Payload, Transport};
+use super::{Frame, Mailbox, MsgKey, Payload, Transport, DEFAULT_RESEND_LIMIT};
 use crate::error::{Error, Result};
 use crate::wire::Header;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -24,6 +29,7 @@ pub struct MemChaos {
 struct Net {
     mailboxes: Vec<Arc<Mailbox>>,
     chaos: Option<(MemChaos, Mutex<StdRng>)>,
+    retransmits: AtomicU64,
 }
 
 /// One rank's end of an in-memory network.
@@ -39,6 +45,7 @@ pub fn network(world: usize, chaos: Option<MemChaos>) -> Vec<Arc<MemTransport>> 
     let net = Arc::new(Net {
         mailboxes: mailboxes.clone(),
         chaos: chaos.map(|c| (c, Mutex::new(StdRng::seed_from_u64(c.seed)))),
+        retransmits: AtomicU64::new(0),
     });
     mailboxes
         .into_iter()
@@ -53,16 +60,49 @@ pub fn network(world: usize, chaos: Option<MemChaos>) -> Vec<Arc<MemTransport>> 
         .collect()
 }
 
-fn deliver(to: &Mailbox, header: Header, payload: Vec<u8>) {
+/// Delivers `payload` as damaged by each attempt's bit flip in turn (`None`: intact), until
+/// one attempt passes the receiver's checksum or the resend limit is spent.
+fn deliver(net: &Net, to: &Mailbox, header: Header, payload: Vec<u8>, flips: &[Option<usize>]) {
     let key = MsgKey::of(&header);
-    let payload = Payload::from(payload);
-    match payload.verify(&header) {
-        Ok(()) => to.dispatch(Frame { header, payload }),
-        Err(e) => to.deliver(key, Err(e)),
+    let mut last = None;
+    for (attempt, flip) in flips.iter().enumerate() {
+        if attempt > 0 {
+            net.retransmits.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut copy = payload.clone();
+        if let Some(bit) = *flip {
+            copy[bit / 8] ^= 1 << (bit % 8);
+        }
+        let copy = Payload::from(copy);
+        match copy.verify(&header) {
+            Ok(()) => {
+                return to.dispatch(Frame {
+                    header,
+                    payload: copy,
+                })
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    if let Some(e) = last {
+        let n = flips.len();
+        to.deliver(
+            key,
+            Err(Error::Protocol(format!(
+                "{e}; it failed {n} times and {} resends did not repair it (resend limit {})",
+                n - 1,
+                n - 1
+            ))),
+        );
     }
 }
 
 impl MemTransport {
+    /// Frames sent again, on the whole network, because a receiver found them damaged.
+    pub fn retransmits(&self) -> u64 {
+        self.net.retransmits.load(Ordering::Relaxed)
+    }
+
     /// Simulates this rank dying: every peer's waits on it fail as a lost peer would.
     pub fn kill(&self) {
         for (r, mb) in self.net.mailboxes.iter().enumerate() {
@@ -107,30 +147,34 @@ impl Transport for MemTransport {
                 self.world_size()
             ))
         })?;
-        let mut payload = payload.to_vec();
+        let payload = payload.to_vec();
         let Some((chaos, rng)) = &self.net.chaos else {
-            deliver(to, header.clone(), payload);
+            deliver(&self.net, to, header.clone(), payload, &[None]);
             return Ok(());
         };
-        let (delay, flip) = {
+        let (delay, flips) = {
             let mut rng = rng.lock().unwrap_or_else(|p| p.into_inner());
             let delay = rng.random_range(0..=chaos.max_delay.as_micros() as u64);
-            let flip = if !payload.is_empty() && rng.random_bool(chaos.corrupt) {
-                Some(rng.random_range(0..payload.len() * 8))
-            } else {
-                None
-            };
-            (delay, flip)
+            // One draw per attempt, until an intact one or the limit: the receiver asks again
+            // for every damaged copy.
+            let mut flips = Vec::new();
+            while flips.len() <= DEFAULT_RESEND_LIMIT as usize {
+                let flip = (!payload.is_empty() && rng.random_bool(chaos.corrupt))
+                    .then(|| rng.random_range(0..payload.len() * 8));
+                flips.push(flip);
+                if flip.is_none() {
+                    break;
+                }
+            }
+            (delay, flips)
         };
-        if let Some(bit) = flip {
-            payload[bit / 8] ^= 1 << (bit % 8);
-        }
         let to: Weak<Mailbox> = Arc::downgrade(to);
+        let net = Arc::downgrade(&self.net);
         let header = header.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_micros(delay)).await;
-            if let Some(to) = to.upgrade() {
-                deliver(&to, header, payload);
+            if let (Some(to), Some(net)) = (to.upgrade(), net.upgrade()) {
+                deliver(&net, &to, header, payload, &flips);
             }
         });
         Ok(())

@@ -16,6 +16,13 @@ use crate::error::Result;
 use crate::wire::Header;
 use std::future::Future;
 
+/// Most resends of one damaged frame a receiver may ask for (a configured limit is at most
+/// this).
+pub const MAX_RESENDS: u32 = 64;
+/// Resends of one damaged frame a receiver asks for by default; one more failure fails the
+/// operation with a `ProtocolError` that names the peer, the operation and the count.
+pub const DEFAULT_RESEND_LIMIT: u32 = 8;
+
 /// Moves frames between the ranks of one job.
 pub trait Transport: Send + Sync + 'static {
     /// This process's rank.

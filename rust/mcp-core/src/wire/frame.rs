@@ -252,6 +252,12 @@ impl Header {
     }
 }
 
+/// Whether an encoded header (fixed part and shape) matches its own CRC: a header that does
+/// not was damaged and names nothing that can be trusted.
+pub fn header_intact(bytes: &[u8]) -> bool {
+    bytes.len() >= HEADER_FIXED && header_crc(bytes) == u32_at(bytes, 52)
+}
+
 /// CRC32C of a header with its own CRC field (bytes 52..56) read as zero.
 fn header_crc(bytes: &[u8]) -> u32 {
     let crc = crc32c::crc32c(&bytes[..52.min(bytes.len())]);

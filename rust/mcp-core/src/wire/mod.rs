@@ -4,7 +4,7 @@ mod frame;
 mod spec;
 
 pub use frame::{
-    verify_payload, FrameKind, Header, HEADER_FIXED, HEADER_MAX, MAGIC, PROTOCOL_MAJOR,
-    PROTOCOL_MINOR,
+    header_intact, verify_payload, FrameKind, Header, HEADER_FIXED, HEADER_MAX, MAGIC,
+    PROTOCOL_MAJOR, PROTOCOL_MINOR,
 };
 pub use spec::{Codec, ModelSpec, MAX_DIMS};

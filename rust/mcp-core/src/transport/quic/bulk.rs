@@ -602,37 +602,13 @@ pub(super) async fn datagram_loop(conn: Connection, bulk: Arc<BulkRx>) {
     }
 }
 
-/// Accepts the bulk transfers the peer opens on `conn`.
-pub(super) async fn accept_loop(
-    me: Weak<QuicTransport>,
-    conn: Connection,
-    bulk: Arc<BulkRx>,
-    known: Arc<Mutex<Option<usize>>>,
-    received: Arc<AtomicU64>,
-) {
-    while let Ok((send, recv)) = conn.accept_bi().await {
-        let (me, conn, bulk, known, received) = (
-            me.clone(),
-            conn.clone(),
-            bulk.clone(),
-            known.clone(),
-            received.clone(),
-        );
-        tokio::spawn(async move {
-            if let Err(e) = receive_transfer(&me, &conn, &bulk, send, recv, &known, &received).await
-            {
-                if let Some(t) = me.upgrade() {
-                    t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
-                    if let Some(p) = *known.lock().unwrap_or_else(|p| p.into_inner()) {
-                        t.mailbox.fail_peer(p, e);
-                    }
-                }
-            }
-        });
-    }
+/// Whether a stream read failed because the sender withdrew the transfer (the frame follows
+/// on a stream).
+pub(super) fn withdrawn(e: &quinn::ReadExactError) -> bool {
+    reset_code(e) == Some(u64::from(CANCELLED))
 }
 
-/// Reads a transfer's announcement; `None` when the sender withdrew it.
+/// Reads a transfer's announcement after its magic; `None` when the sender withdrew it.
 async fn read_announce(recv: &mut RecvStream) -> Result<Option<(TransferPlan, Header, usize)>> {
     let mut cancelled = false;
     let res = {
@@ -653,17 +629,11 @@ async fn read_announce_inner(
     recv: &mut RecvStream,
     bad: &mut impl FnMut(&str, quinn::ReadExactError) -> Error,
 ) -> Result<(TransferPlan, Header, usize)> {
-    let mut head = [0u8; 4 + crate::fec::transfer::PLAN_LEN];
+    let mut head = [0u8; crate::fec::transfer::PLAN_LEN];
     recv.read_exact(&mut head)
         .await
         .map_err(|e| bad("the announcement", e))?;
-    if head[..4] != BULK_MAGIC {
-        return Err(Error::Protocol(format!(
-            "FEC lane: bad magic {:02x?}",
-            &head[..4]
-        )));
-    }
-    let plan = TransferPlan::from_bytes(&head[4..])?;
+    let plan = TransferPlan::from_bytes(&head)?;
     let mut fixed = [0u8; HEADER_FIXED];
     recv.read_exact(&mut fixed)
         .await
@@ -684,8 +654,8 @@ async fn read_announce_inner(
     Ok((plan, header, hbytes.len()))
 }
 
-/// One transfer, from its announcement to the delivered frame.
-async fn receive_transfer(
+/// One transfer, from its announcement (after its magic) to the delivered frame.
+pub(super) async fn receive_transfer(
     me: &Weak<QuicTransport>,
     conn: &Connection,
     bulk: &BulkRx,

@@ -8,16 +8,18 @@ pub mod congestion;
 pub(crate) mod endpoint;
 mod heartbeat;
 mod rendezvous;
+mod stream_lane;
 pub mod tls;
 
 pub use bulk::{BulkConfig, LanePolicy, BULK_MAGIC};
 pub use congestion::CongestionKind;
 pub use heartbeat::PeerHealth;
+pub use stream_lane::RETAIN_BYTES;
 
-use super::{Frame, Lane, Mailbox, MsgKey, Payload, Transport};
+use super::{Frame, Lane, Mailbox, MsgKey, Transport, DEFAULT_RESEND_LIMIT, MAX_RESENDS};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
-use crate::wire::{FrameKind, Header, HEADER_FIXED, PROTOCOL_MAJOR, PROTOCOL_MINOR};
+use crate::wire::{FrameKind, Header, PROTOCOL_MAJOR, PROTOCOL_MINOR};
 use quinn::{Connection, ConnectionError, Endpoint, VarInt};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -75,6 +77,9 @@ pub struct QuicConfig {
     /// The congestion controller of every connection (default: `MCP_CC`, else
     /// loss-tolerant).
     pub congestion: CongestionKind,
+    /// How often a receiver asks for a frame again whose checksum failed before it fails
+    /// the operation (at most [`MAX_RESENDS`]; default [`DEFAULT_RESEND_LIMIT`]).
+    pub resend_limit: u32,
 }
 
 impl QuicConfig {
@@ -92,6 +97,7 @@ impl QuicConfig {
             chaos: None,
             bulk: BulkConfig::default(),
             congestion: CongestionKind::from_env(),
+            resend_limit: DEFAULT_RESEND_LIMIT,
         }
     }
 }
@@ -115,8 +121,10 @@ pub struct QuicStats {
     pub refused_handshakes: AtomicU64,
     /// Frames received.
     pub frames_received: AtomicU64,
-    /// Frames whose payload failed its checksum.
+    /// Frames received whose header or payload failed its checksum (each failed attempt).
     pub corrupt_frames: AtomicU64,
+    /// Frames sent again because the receiver found them damaged (checksum).
+    pub retransmits: AtomicU64,
     /// Frames sent.
     pub frames_sent: AtomicU64,
     /// Frame bytes (headers and payloads) handed to QUIC.
@@ -152,6 +160,8 @@ pub struct QuicTransport {
     breakers: Mutex<crate::health::PeerBreakers>,
     corrupter: Option<Mutex<rand::rngs::StdRng>>,
     next_transfer: AtomicU64,
+    /// Room for frames kept until their receiver's verdict (see `stream_lane`).
+    retained: Arc<tokio::sync::Semaphore>,
 }
 
 impl QuicTransport {
@@ -172,6 +182,12 @@ impl QuicTransport {
             return Err(Error::InvalidArgument(format!(
                 "rank {} is not in a world of {} ranks",
                 cfg.rank, cfg.world_size
+            )));
+        }
+        if cfg.resend_limit > MAX_RESENDS {
+            return Err(Error::InvalidArgument(format!(
+                "resend_limit {} is more than the {MAX_RESENDS} a receiver may ask for",
+                cfg.resend_limit
             )));
         }
         let deadline = Instant::now() + cfg.connect_timeout;
@@ -233,6 +249,7 @@ impl QuicTransport {
             breakers: Mutex::new(crate::health::PeerBreakers::new(world, Default::default())),
             corrupter,
             next_transfer: AtomicU64::new(1),
+            retained: Arc::new(tokio::sync::Semaphore::new(stream_lane::retain_budget())),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
         let res = match t.local_addr().and_then(bound) {
@@ -543,19 +560,10 @@ impl QuicTransport {
                 res => return res,
             }
         }
-        // Corruption above QUIC (as a flipped bit in host memory would be): QUIC's AEAD cannot
-        // see it; the frame CRC must.
-        let corrupted;
         let data_frame = Lane::of(header.kind) != Lane::Control && header.kind != FrameKind::Abort;
-        let payload = match self.corruption_bit(if data_frame { payload.len() } else { 0 }) {
-            Some(bit) => {
-                let mut copy = payload.to_vec();
-                copy[bit / 8] ^= 1 << (bit % 8);
-                corrupted = copy;
-                &corrupted[..]
-            }
-            None => payload,
-        };
+        if data_frame {
+            return self.write_checked(peer, conn, header, payload).await;
+        }
         let mut buf = Vec::with_capacity(
             header.encoded_len()
                 + if payload.len() <= 16384 {
@@ -818,7 +826,7 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
     let received = Arc::new(AtomicU64::new(0));
     let bulk_rx = Arc::new(bulk::BulkRx::default());
     tokio::spawn(bulk::datagram_loop(conn.clone(), bulk_rx.clone()));
-    tokio::spawn(bulk::accept_loop(
+    tokio::spawn(accept_bi_loop(
         me.clone(),
         conn.clone(),
         bulk_rx,
@@ -860,6 +868,62 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
     if let Some(p) = peer {
         let err = map_conn_error(&end, p, &format!("rank {p}"), "any operation");
         t.mailbox.fail_peer(p, err);
+    }
+}
+
+/// Accepts the bidirectional streams the peer opens on `conn`: stream-lane data frames
+/// (answered with a verdict) and FEC-lane transfers, told apart by their magic.
+async fn accept_bi_loop(
+    me: Weak<QuicTransport>,
+    conn: Connection,
+    bulk: Arc<bulk::BulkRx>,
+    known: Arc<Mutex<Option<usize>>>,
+    received: Arc<AtomicU64>,
+) {
+    let resends = Arc::new(stream_lane::Resends::default());
+    while let Ok((send, mut recv)) = conn.accept_bi().await {
+        let (me, conn, bulk, known, received, resends) = (
+            me.clone(),
+            conn.clone(),
+            bulk.clone(),
+            known.clone(),
+            received.clone(),
+            resends.clone(),
+        );
+        tokio::spawn(async move {
+            let mut magic = [0u8; 4];
+            let res = match recv.read_exact(&mut magic).await {
+                Err(e) if bulk::withdrawn(&e) => Ok(()),
+                Err(e) => Err(Error::Protocol(format!(
+                    "reading a stream's first bytes: {e}"
+                ))),
+                Ok(()) if magic == bulk::BULK_MAGIC => {
+                    bulk::receive_transfer(&me, &conn, &bulk, send, recv, &known, &received).await
+                }
+                Ok(()) => {
+                    stream_lane::receive_checked(&me, send, recv, &resends, &magic)
+                        .await
+                        .map(|filed| {
+                            if let Some(src) = filed {
+                                let mut k = known.lock().unwrap_or_else(|p| p.into_inner());
+                                k.get_or_insert(src);
+                                drop(k);
+                                // Counted once filed, so that a goodbye never overtakes it.
+                                received.fetch_add(1, Ordering::AcqRel);
+                            }
+                        })
+                }
+            };
+            if let Err(e) = res {
+                if let Some(t) = me.upgrade() {
+                    t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
+                    // A peer we cannot trust: say so to whoever waits on it.
+                    if let Some(p) = *known.lock().unwrap_or_else(|p| p.into_inner()) {
+                        t.mailbox.fail_peer(p, e);
+                    }
+                }
+            }
+        });
     }
 }
 
@@ -925,48 +989,16 @@ async fn read_stream(
     active: &AtomicUsize,
     received: &AtomicU64,
 ) -> Result<()> {
-    let mut fixed = [0u8; HEADER_FIXED];
-    stream
-        .read_exact(&mut fixed)
+    let (header, hlen, payload) = stream_lane::read_frame(&mut stream, &[])
         .await
-        .map_err(|e| Error::Protocol(format!("reading a frame header: {e}")))?;
-    let shape_len = Header::shape_len(&fixed)?;
-    let mut hbytes = fixed.to_vec();
-    hbytes.resize(HEADER_FIXED + shape_len, 0);
-    stream
-        .read_exact(&mut hbytes[HEADER_FIXED..])
-        .await
-        .map_err(|e| Error::Protocol(format!("reading a frame shape: {e}")))?;
-    let header = Header::decode(&hbytes)?;
-    if header.payload_len > MAX_FRAME_PAYLOAD {
-        return Err(Error::Protocol(format!(
-            "frame announces {} payload bytes",
-            header.payload_len
-        )));
-    }
-    // The payload stays in the pieces QUIC delivered: no copy, no fresh zeroed buffer.
-    let mut payload = Payload::new();
-    let mut left = header.payload_len as usize;
-    while left > 0 {
-        match stream.read_chunk(left, true).await {
-            Ok(Some(chunk)) => {
-                left = left.saturating_sub(chunk.bytes.len());
-                payload.push(chunk.bytes);
-            }
-            Ok(None) => break,
-            Err(e) => {
-                return Err(Error::Protocol(format!(
-                    "reading a {}-byte payload: {e}",
-                    header.payload_len
-                )))
-            }
-        }
-    }
+        .map_err(|e| match e {
+            stream_lane::ReadFail::Damaged(e) | stream_lane::ReadFail::Bad(e) => e,
+        })?;
     let Some(t) = me.upgrade() else { return Ok(()) };
     t.stats.frames_received.fetch_add(1, Ordering::Relaxed);
     t.stats
         .bytes_received
-        .fetch_add((hbytes.len() + payload.len()) as u64, Ordering::Relaxed);
+        .fetch_add((hlen + payload.len()) as u64, Ordering::Relaxed);
     let src = header.src as usize;
     if src >= t.world {
         return Err(Error::Protocol(format!(
