@@ -120,6 +120,14 @@ def test_wrong_secret_is_an_authentication_error() -> None:
     assert isinstance(ours, Failure) and ours.type == "MCPTimeoutError", ours
 
 
+def test_mcp_chaos_and_mcp_lane_reach_the_torch_backend() -> None:
+    # Damaged frames injected through the environment are healed in a torch process group.
+    env = {"MCP_CHAOS": "corrupt=0.05,seed=3", "MCP_LANE": "stream"}
+    results = ok(run("torch_workers.through_env_chaos", 2, 20, timeout=120, env=env))
+    assert all(out["lane"] == "stream" for out in results)
+    assert sum(out["stats"]["retransmits"] for out in results) > 0, results
+
+
 def test_int8_with_error_feedback_converges_like_uncompressed() -> None:
     pytest.importorskip("sklearn")
     plain = ok(run("torch_workers.digits_loss", 2, None, timeout=180))

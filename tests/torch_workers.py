@@ -306,3 +306,18 @@ def cuda_collectives(rank: int, world: int) -> dict[str, Any]:
     res = {"all_reduce": t.cpu(), "broadcast": b.cpu(), "all_gather": out.cpu()}
     dist.destroy_process_group()
     return res
+
+
+def through_env_chaos(rank: int, world: int, rounds: int) -> dict[str, Any]:
+    """All-reduces through ``init_process_group("mcp")`` with the faults and lane that the
+    environment (``MCP_CHAOS``, ``MCP_LANE``) names; every result checked exactly."""
+    _init()
+    for i in range(rounds):
+        t = torch.arange(50_000, dtype=torch.float32) % 7 + rank + i
+        dist.all_reduce(t)
+        want = sum(torch.arange(50_000, dtype=torch.float32) % 7 + r + i for r in range(world))
+        torch.testing.assert_close(t, want, rtol=0, atol=0)
+    g = dist.group.WORLD.mcp_group  # type: ignore[union-attr]
+    out = {"lane": g.lane, "stats": g.stats()}
+    dist.destroy_process_group()
+    return out

@@ -50,8 +50,9 @@ impl BoundSocket {
 pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportConfig> {
     let mut t = TransportConfig::default();
     t.max_concurrent_uni_streams(VarInt::from_u32(16_384));
-    // Each FEC-lane transfer holds a bidirectional stream until the receiver has it all.
-    t.max_concurrent_bidi_streams(VarInt::from_u32(256));
+    // Each stream-lane frame holds a bidirectional stream until its verdict, each FEC-lane
+    // transfer until the receiver has it all: as many in flight as unidirectional ones.
+    t.max_concurrent_bidi_streams(VarInt::from_u32(16_384));
     t.datagram_receive_buffer_size(Some(DATAGRAM_RECV_BUFFER));
     t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
     let window = sock.window();

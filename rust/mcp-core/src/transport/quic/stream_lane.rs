@@ -273,12 +273,13 @@ pub(super) async fn receive_checked(
     match payload.verify(&header) {
         Ok(()) => {
             lock().remove(&key);
-            answer(&mut send, VERDICT_OK).await;
             t.stats.frames_received.fetch_add(1, Ordering::Relaxed);
             t.stats
                 .bytes_received
                 .fetch_add((hlen + payload.len()) as u64, Ordering::Relaxed);
+            // Filed before the verdict is written: the operation waiting for it goes first.
             t.mailbox.dispatch(Frame { header, payload });
+            answer(&mut send, VERDICT_OK).await;
         }
         Err(e) => {
             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
