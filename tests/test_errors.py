@@ -151,6 +151,28 @@ def test_frozen_peer_is_reported_by_every_survivor() -> None:
     assert time.monotonic() - t0 < 25
 
 
+def test_a_reachable_peer_whose_loop_hangs_is_reported_stalled_on_every_rank() -> None:
+    # The victim's process answers heartbeats while its loop sleeps for 10 s: the others must
+    # report it stalled after about the 2 s floor (their operations were milliseconds apart),
+    # long before it wakes; once awake it learns of it too.
+    res = run("stalled_peer", 3, 2, 2.0, 10.0, timeout=90)
+    for r in (0, 1):
+        f = res[r]
+        assert isinstance(f, Failure) and f.type == "PeerStalledError", f
+        assert f.attrs.get("rank") == 2 and "has not started" in f.message, f
+        assert "PeerStalledError" in f.mro and "PeerLostError" not in f.mro
+        assert 1.9 < f.attrs["detected_after"] < 9.0, f.attrs
+    f = res[2]
+    assert isinstance(f, Failure) and f.type == "PeerStalledError", f
+    assert f.attrs.get("rank") == 2 and f.attrs["detected_after"] >= 10.0, f.attrs
+
+
+def test_a_slow_peer_is_never_reported_stalled() -> None:
+    # 0.5 s of compute before each all-reduce against a 2 s floor, then the limit grows to
+    # 10 x the observed interval: every all-reduce finishes.
+    assert ok(run("slow_peer", 3, 2, 2.0, 0.5, timeout=90)) == [13, 13, 13]
+
+
 def test_closed_group_refuses_operations() -> None:
     (f,) = run("closed_group", 1, timeout=30)
     assert isinstance(f, Failure) and f.type == "GroupClosedError", f

@@ -328,3 +328,37 @@ def healed(rank: int, world: int, rounds: int) -> dict[str, Any]:
             g.broadcast(b, src=i % world)
             np.testing.assert_array_equal(b, data("int64", "sum", 0, 50_000, salt=i))
         return {"lane": g.lane, "stats": g.stats(), "lane_stats": g.lane_stats()}
+
+
+def stalled_peer(rank: int, world: int, victim: int, stall_timeout: float, pause: float) -> None:
+    """After ten quick all-reduces the victim's training loop hangs for ``pause`` seconds (its
+    process, and so its QUIC stack, keeps answering); then it tries to go on. An error
+    carries ``detected_after``: seconds from the end of the tenth all-reduce to the error."""
+    g = mcp.init(timeout=60, heartbeat=0.5, stall_timeout=stall_timeout)
+    a = np.ones(1000, "float32")
+    for _ in range(10):
+        g.all_reduce(a)
+    t0 = time.monotonic()
+    if rank == victim:
+        time.sleep(pause)
+    try:
+        for _ in range(100_000):
+            g.all_reduce(a)
+    except mcp.MCPError as e:
+        e.detected_after = time.monotonic() - t0  # type: ignore[attr-defined]
+        raise
+    finally:
+        g.close()
+
+
+def slow_peer(rank: int, world: int, victim: int, stall_timeout: float, pause: float) -> int:
+    """The victim computes ``pause`` seconds before each of 8 all-reduces (after 5 quick
+    ones): slow, never stuck. Returns the all-reduces done."""
+    with mcp.init(timeout=60, heartbeat=0.5, stall_timeout=stall_timeout) as g:
+        a = np.ones(1000, "float32")
+        for i in range(13):
+            if rank == victim and i >= 5:
+                time.sleep(pause)
+            g.all_reduce(a)
+            assert (a == world ** (i + 1)).all()
+        return 13

@@ -36,6 +36,23 @@ class PeerLostError(MCPError):
         self.since = since
 
 
+class PeerStalledError(MCPError):
+    """A peer answers heartbeats but its training loop does not move: it has not started the
+    operation the others wait in for longer than the progress watchdog's limit (a hung
+    kernel, a deadlock, an endless data-loader wait). Distinct from :class:`PeerLostError`,
+    whose peer is silent.
+
+    Attributes:
+        rank: the stalled rank.
+        op: where it is stuck, as far as its progress reports tell.
+    """
+
+    def __init__(self, message: str, rank: int = -1, op: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.op = op
+
+
 class MCPTimeoutError(MCPError, TimeoutError):
     """An operation or the rendezvous did not finish within its timeout."""
 
@@ -78,6 +95,7 @@ __all__ = [
     "MCPError",
     "MCPTimeoutError",
     "PeerLostError",
+    "PeerStalledError",
     "ProtocolError",
     "SpecMismatchError",
     "VersionMismatchError",

@@ -521,6 +521,7 @@ def init(
     heartbeat: float | None = None,
     lane: str | None = None,
     resend_limit: int | None = None,
+    stall_timeout: float | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -541,6 +542,10 @@ def init(
     Results are bit-exact on every lane. A frame that fails its checksum (damaged above
     QUIC, e.g. in memory) is asked for again, up to ``resend_limit`` times (default
     ``MCP_RESEND_LIMIT`` or 8) before the operation fails with ``ProtocolError``.
+    ``stall_timeout`` (default ``MCP_STALL_TIMEOUT`` or 60 s): a peer that answers
+    heartbeats but keeps this rank waiting in an operation it has not started, for
+    max(stall_timeout, 10 x p99 of the intervals between this rank's operations), is reported
+    as ``PeerStalledError`` on every rank.
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else _env_int("RANK")
@@ -563,6 +568,7 @@ def init(
         chaos=chaos,
         lane=lane,
         resend_limit=resend_limit,
+        stall_timeout=stall_timeout,
     )
     core = _core.ProcessGroup(
         rank,

@@ -14,6 +14,7 @@ environment variable      argument            meaning (default)
 ``MCP_CHAOS``             ``chaos``           faults to inject, e.g. ``loss=0.2,corrupt=0.01``
 ``MCP_LANE``              ``lane``            ``auto``, ``stream`` or ``fec`` (``auto``)
 ``MCP_RESEND_LIMIT``      ``resend_limit``    resends of a damaged frame before failing (8)
+``MCP_STALL_TIMEOUT``     ``stall_timeout``   least wait on a reachable peer that does not move (60)
 ========================  ==================  =====================================================
 
 Values are checked once, by the core, which names the setting that is wrong.
@@ -64,6 +65,7 @@ class Settings:
     chaos: str | None
     lane: str
     resend_limit: int
+    stall_timeout: float
 
     @classmethod
     def resolve(
@@ -77,6 +79,7 @@ class Settings:
         chaos: Any = None,
         lane: str | None = None,
         resend_limit: int | None = None,
+        stall_timeout: float | None = None,
     ) -> Settings:
         """The settings for the given arguments; those left ``None`` come from the
         environment, then from the defaults."""
@@ -94,6 +97,7 @@ class Settings:
             chaos=str(chaos) if chaos is not None else None,
             lane=_first(lane, os.environ.get("MCP_LANE") or None, "auto"),
             resend_limit=int(_first(resend_limit, _env_int("MCP_RESEND_LIMIT"), 8)),
+            stall_timeout=float(_first(stall_timeout, _env_float("MCP_STALL_TIMEOUT"), 60.0)),
         )
 
     def core_kwargs(self) -> dict[str, Any]:
@@ -107,4 +111,5 @@ class Settings:
             "chaos": self.chaos,
             "lane": self.lane,
             "resend_limit": self.resend_limit,
+            "stall_timeout": self.stall_timeout,
         }

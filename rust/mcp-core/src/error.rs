@@ -18,6 +18,17 @@ pub enum Error {
         /// Why we believe it is lost.
         reason: String,
     },
+    /// A peer answers heartbeats but has not started the operation the others wait in for
+    /// longer than the progress watchdog's limit: its training loop is stuck.
+    #[error("peer rank {rank} is stalled in {op}: {reason}")]
+    PeerStalled {
+        /// The stalled rank.
+        rank: usize,
+        /// Where it is stuck, as far as its reports tell.
+        op: String,
+        /// What the watchdog saw.
+        reason: String,
+    },
     /// An operation did not finish before its deadline.
     #[error("timed out after {:.1} s: {what}", after.as_secs_f64())]
     Timeout {
@@ -68,6 +79,11 @@ impl Error {
         match self {
             Error::SpecMismatch(m) => Error::SpecMismatch(note(m)),
             Error::PeerLost { rank, op, reason } => Error::PeerLost {
+                rank,
+                op,
+                reason: note(reason),
+            },
+            Error::PeerStalled { rank, op, reason } => Error::PeerStalled {
                 rank,
                 op,
                 reason: note(reason),

@@ -247,8 +247,14 @@ impl<T: Transport> Group<T> {
                 return Box::pin(async move { Err(e) });
             }
         }
+        if lane == Lane::Collective {
+            inner.t.op_started(seq);
+        }
         Box::pin(async move {
             let mut res = body(inner.clone(), owned).await;
+            if lane == Lane::Collective {
+                inner.t.op_finished(seq);
+            }
             let mb = inner.t.mailbox();
             if let Some(remote) = mb.take_remote_abort(lane, seq) {
                 // A lost peer here may be one that reported the root cause and left: a send
@@ -629,10 +635,12 @@ async fn send_aborts<T: Transport>(t: Arc<T>, lane: Lane, seq: u64, err: Error, 
     };
     let (header, payload) = (Arc::new(header), Arc::new(payload));
     let mut tasks = Vec::new();
-    for p in peers
-        .into_iter()
-        .filter(|&p| t.mailbox().peer_error(p).is_none())
-    {
+    // Not to a lost peer; a stalled one is alive and hears of what it caused.
+    let reachable = |p: usize| match t.mailbox().peer_error(p) {
+        None | Some(Error::PeerStalled { .. }) => true,
+        Some(_) => false,
+    };
+    for p in peers.into_iter().filter(|&p| reachable(p)) {
         let (t, header, payload) = (t.clone(), header.clone(), payload.clone());
         tasks.push(tokio::spawn(async move {
             let _ =

@@ -31,6 +31,12 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
             let _ = kw.set_item("op", op);
             exception(py, "PeerLostError", msg, Some(kw))
         }
+        Error::PeerStalled { rank, op, .. } => {
+            let kw = PyDict::new(py);
+            let _ = kw.set_item("rank", rank);
+            let _ = kw.set_item("op", op);
+            exception(py, "PeerStalledError", msg, Some(kw))
+        }
         Error::Timeout { .. } => exception(py, "MCPTimeoutError", msg, None),
         Error::Authentication { .. } => exception(py, "AuthenticationError", msg, None),
         Error::VersionMismatch { .. } => exception(py, "VersionMismatchError", msg, None),

@@ -172,7 +172,8 @@ impl ProcessGroup {
     #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
-                        heartbeat=5.0, lane=None, resend_limit=8))]
+                        heartbeat=5.0, lane=None, resend_limit=8,
+                        stall_timeout=60.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -192,6 +193,7 @@ impl ProcessGroup {
         heartbeat: f64,
         lane: Option<&str>,
         resend_limit: u32,
+        stall_timeout: f64,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -207,6 +209,7 @@ impl ProcessGroup {
         cfg.idle_timeout = seconds("idle_timeout", idle_timeout)?;
         cfg.heartbeat = seconds("heartbeat", heartbeat)?;
         cfg.resend_limit = resend_limit;
+        cfg.stall_timeout = seconds("stall_timeout", stall_timeout)?;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
         }

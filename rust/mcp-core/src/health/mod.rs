@@ -5,13 +5,16 @@
 //! - [`breaker`]: a per-peer circuit breaker (closed → open → half-open).
 //! - [`latency`]: round-trip statistics (EWMA mean, windowed p99) and the timeouts derived
 //!   from them.
+//! - [`progress`]: the progress watchdog (a peer that answers heartbeats but does not move).
 //! - [`guard`]: the global L2 norm of gradients, non-finite detection, clipping, and a
 //!   breaker over consecutive bad steps.
 
 pub mod breaker;
 pub mod guard;
 pub mod latency;
+pub mod progress;
 
 pub use breaker::{BreakerConfig, BreakerState, CircuitBreaker, PeerBreakers};
 pub use guard::{GradNorm, GradientGuard, GuardConfig, GuardPolicy, NormAccumulator, Verdict};
 pub use latency::{LatencyConfig, LatencyTracker};
+pub use progress::{Progress, ProgressWatch, Stall};

@@ -34,7 +34,9 @@ impl Lane {
     /// The lane a frame kind travels on.
     pub fn of(kind: FrameKind) -> Lane {
         match kind {
-            FrameKind::Hello | FrameKind::Table | FrameKind::Goodbye => Lane::Control,
+            FrameKind::Hello | FrameKind::Table | FrameKind::Goodbye | FrameKind::Progress => {
+                Lane::Control
+            }
             FrameKind::Send => Lane::P2p,
             _ => Lane::Collective,
         }
@@ -359,6 +361,7 @@ pub fn encode_abort(lane: Lane, err: &Error) -> Vec<u8> {
         ),
         Error::InvalidArgument(m) => (4, u32::MAX, m.clone()),
         Error::Protocol(m) => (5, u32::MAX, m.clone()),
+        Error::PeerStalled { rank, op, reason } => (7, *rank as u32, format!("{op}\u{1f}{reason}")),
         other => (6, u32::MAX, other.to_string()),
     };
     let mut out = vec![lane.code(), code];
@@ -394,6 +397,14 @@ pub fn decode_abort(src: usize, payload: &[u8]) -> (Lane, Error) {
         },
         4 => Error::InvalidArgument(format!("rank {src}: {text}")),
         5 => Error::Protocol(format!("rank {src}: {text}")),
+        7 => {
+            let (op, reason) = text.split_once('\u{1f}').unwrap_or(("", &text));
+            Error::PeerStalled {
+                rank: rank as usize,
+                op: op.to_string(),
+                reason: format!("{reason} (reported by rank {src})"),
+            }
+        }
         _ => Error::Io(format!("rank {src} failed: {text}")),
     };
     (lane, err)

@@ -49,6 +49,17 @@ pub trait Transport: Send + Sync + 'static {
         let _ = peer;
     }
 
+    /// This rank started collective operation `seq` (for the progress watchdog; a transport
+    /// without one ignores it).
+    fn op_started(&self, seq: u64) {
+        let _ = seq;
+    }
+
+    /// This rank finished collective operation `seq`, successfully or not.
+    fn op_finished(&self, seq: u64) {
+        let _ = seq;
+    }
+
     /// Best-effort: tells every connected peer that this process is closing.
     fn goodbye(&self) -> impl Future<Output = ()> + Send + '_;
 }

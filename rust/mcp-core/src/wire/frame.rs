@@ -53,6 +53,9 @@ pub enum FrameKind {
     PsRequest = 11,
     /// A parameter server's reply.
     PsReply = 12,
+    /// The sender's progress: collective operations started and finished (the watchdog's
+    /// report, see `health::progress`).
+    Progress = 13,
 }
 
 impl FrameKind {
@@ -72,6 +75,7 @@ impl FrameKind {
             Goodbye,
             PsRequest,
             PsReply,
+            Progress,
         ]
         .into_iter()
         .find(|k| *k as u8 == code)
@@ -92,6 +96,7 @@ impl FrameKind {
             FrameKind::Goodbye => "goodbye",
             FrameKind::PsRequest => "ps request",
             FrameKind::PsReply => "ps reply",
+            FrameKind::Progress => "progress",
         }
     }
 }

@@ -195,7 +195,11 @@ impl QuicTransport {
         use crate::wire::FrameKind;
         let data = !matches!(
             header.kind,
-            FrameKind::Hello | FrameKind::Table | FrameKind::Goodbye | FrameKind::Abort
+            FrameKind::Hello
+                | FrameKind::Table
+                | FrameKind::Goodbye
+                | FrameKind::Abort
+                | FrameKind::Progress
         );
         if !data || len == 0 || conn.max_datagram_size().is_none() {
             return false;

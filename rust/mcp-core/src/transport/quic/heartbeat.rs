@@ -9,8 +9,14 @@
 //! with `PeerLost` at once, on this rank; the collectives then abort on the others. Checked
 //! every `interval / 4`, so a dead peer is found within 3 intervals of its last packet
 //! (while the mean RTT stays below about a third of the interval).
+//!
+//! The same task carries the second channel of liveness: it sends this rank's progress
+//! (collective operations started and finished) when it changed, at most every
+//! `interval / 4`, and at least every `interval`, and asks the progress watchdog
+//! ([`crate::health::ProgressWatch`]) whether the peer, reachable, keeps this rank waiting
+//! in an operation it never starts: then every wait on it fails with `PeerStalled`.
 
-use super::{close_code, QuicTransport};
+use super::{close_code, rendezvous, QuicTransport};
 use crate::error::Error;
 use crate::health::{LatencyConfig, LatencyTracker};
 use quinn::{Connection, VarInt};
@@ -52,6 +58,7 @@ pub(super) async fn monitor(
     let mut last_rx = conn.stats().udp_rx.datagrams;
     let mut last_seen = Instant::now();
     let tick = (interval / 4).max(Duration::from_millis(20));
+    let mut reported: Option<(crate::health::Progress, Instant)> = None;
     loop {
         tokio::time::sleep(tick).await;
         if conn.close_reason().is_some() {
@@ -59,6 +66,40 @@ pub(super) async fn monitor(
         }
         let Some(t) = me.upgrade() else { return };
         if t.closing.load(Ordering::Acquire) {
+            return;
+        }
+        let now = Instant::now();
+        let mine = t.progress_watch().local();
+        let due = match reported {
+            None => true,
+            Some((r, at)) => r != mine || now.duration_since(at) >= interval,
+        };
+        if due {
+            let payload = mine.to_bytes();
+            let header = rendezvous::progress_header(&t, &payload);
+            // Bounded: a report that cannot leave now is replaced by the next one.
+            let sent = tokio::time::timeout(tick, t.write_frame(peer, &conn, &header, &payload));
+            if matches!(sent.await, Ok(Ok(()))) {
+                reported = Some((mine, now));
+            }
+        }
+        // Reports come at least every interval: three missed ones is no longer "reachable".
+        let stall = t.progress_watch().check(peer, now, 3 * interval);
+        if let Some(s) = stall {
+            let op = format!(
+                "operation #{} of the group, which it has not started ({} started, {} finished)",
+                s.waiting_in, s.report.started, s.report.finished
+            );
+            let err = Error::PeerStalled {
+                rank: peer,
+                op,
+                reason: format!(
+                    "it answers heartbeats, but its progress has not moved for {:.1} s while this rank waits for it (limit {:.1} s = max(stall_timeout, 10 x p99 of the intervals between operations); raise stall_timeout / MCP_STALL_TIMEOUT if it may compute that long between collectives)",
+                    s.unchanged_for.as_secs_f64(),
+                    s.limit.as_secs_f64(),
+                ),
+            };
+            t.mailbox.fail_peer(peer, err);
             return;
         }
         let rx = conn.stats().udp_rx.datagrams;

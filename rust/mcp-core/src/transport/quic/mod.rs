@@ -45,6 +45,9 @@ pub(crate) mod close_code {
     pub const PEER_SILENT: u32 = 0x4d07;
 }
 
+/// The progress watchdog's limit in intervals between operations (see `QuicConfig`).
+const STALL_FACTOR: u32 = 10;
+
 /// Largest payload a frame may announce; anything larger is a protocol error.
 pub const MAX_FRAME_PAYLOAD: u64 = 1 << 30;
 
@@ -80,6 +83,10 @@ pub struct QuicConfig {
     /// How often a receiver asks for a frame again whose checksum failed before it fails
     /// the operation (at most [`MAX_RESENDS`]; default [`DEFAULT_RESEND_LIMIT`]).
     pub resend_limit: u32,
+    /// The progress watchdog's floor: a reachable peer that keeps this rank waiting in an
+    /// operation it has not started, for `max(stall_timeout, 10 x p99` of the intervals
+    /// between this rank's operations`)`, is reported stalled (default 60 s).
+    pub stall_timeout: Duration,
 }
 
 impl QuicConfig {
@@ -98,6 +105,7 @@ impl QuicConfig {
             bulk: BulkConfig::default(),
             congestion: CongestionKind::from_env(),
             resend_limit: DEFAULT_RESEND_LIMIT,
+            stall_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -162,6 +170,8 @@ pub struct QuicTransport {
     next_transfer: AtomicU64,
     /// Room for frames kept until their receiver's verdict (see `stream_lane`).
     retained: Arc<tokio::sync::Semaphore>,
+    /// This rank's progress and its peers' reports.
+    progress: Mutex<crate::health::ProgressWatch>,
 }
 
 impl QuicTransport {
@@ -183,6 +193,11 @@ impl QuicTransport {
                 "rank {} is not in a world of {} ranks",
                 cfg.rank, cfg.world_size
             )));
+        }
+        if cfg.stall_timeout.is_zero() {
+            return Err(Error::InvalidArgument(
+                "stall_timeout must be positive".into(),
+            ));
         }
         if cfg.resend_limit > MAX_RESENDS {
             return Err(Error::InvalidArgument(format!(
@@ -250,6 +265,11 @@ impl QuicTransport {
             corrupter,
             next_transfer: AtomicU64::new(1),
             retained: Arc::new(tokio::sync::Semaphore::new(stream_lane::retain_budget())),
+            progress: Mutex::new(crate::health::ProgressWatch::new(
+                world,
+                cfg.stall_timeout,
+                STALL_FACTOR,
+            )),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
         let res = match t.local_addr().and_then(bound) {
@@ -265,6 +285,15 @@ impl QuicTransport {
             return Err(e);
         }
         Ok(t)
+    }
+
+    fn progress_watch(&self) -> std::sync::MutexGuard<'_, crate::health::ProgressWatch> {
+        self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This rank's progress as its peers hear it: collective operations started, finished.
+    pub fn progress(&self) -> crate::health::Progress {
+        self.progress_watch().local()
     }
 
     /// The address this process listens on.
@@ -397,8 +426,11 @@ impl QuicTransport {
         let slot = self.peers.get(peer).ok_or_else(|| {
             Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
         })?;
+        // A stalled peer is alive and connected: it still hears of the aborts it caused.
         if let Some(e) = self.mailbox.peer_error(peer) {
-            return Err(e);
+            if !matches!(e, Error::PeerStalled { .. }) {
+                return Err(e);
+            }
         }
         if let Some(c) = slot.conn.borrow().clone() {
             return Ok(c);
@@ -1014,6 +1046,15 @@ async fn read_stream(
     }
     match header.kind {
         FrameKind::Hello => t.register(src, conn.clone()),
+        FrameKind::Progress => {
+            if payload.verify(&header).is_ok() {
+                if let Some(p) = crate::health::Progress::from_bytes(&payload.to_vec()) {
+                    t.progress_watch().on_report(src, p, Instant::now());
+                }
+            }
+            received.fetch_add(1, Ordering::AcqRel);
+            return Ok(());
+        }
         FrameKind::Goodbye => {
             // Our own reader is the only one left to count: everything else must be read.
             let _ = active;
@@ -1081,6 +1122,14 @@ impl Transport for QuicTransport {
 
     fn expect_from(&self, peer: usize) {
         self.ensure_dialled(peer);
+    }
+
+    fn op_started(&self, seq: u64) {
+        self.progress_watch().op_started(seq, Instant::now());
+    }
+
+    fn op_finished(&self, seq: u64) {
+        self.progress_watch().op_finished(seq);
     }
 
     async fn goodbye(&self) {

@@ -37,6 +37,10 @@ pub(super) fn goodbye_header(t: &QuicTransport, payload: &[u8]) -> Header {
 }
 
 /// The Hello a dialer sends first: its rank (as `src`), world size (as `aux`) and address.
+pub(super) fn progress_header(t: &QuicTransport, payload: &[u8]) -> Header {
+    control_header(t, FrameKind::Progress, payload)
+}
+
 pub(super) fn hello_frame(t: &QuicTransport) -> Result<(Header, Vec<u8>)> {
     let payload = t.local_addr()?.to_string().into_bytes();
     Ok((control_header(t, FrameKind::Hello, &payload), payload))
