@@ -10,7 +10,7 @@ BUILT   := $(VENV)/.mcp-built
 PYDIRS  := python tests benches examples
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: demo test bench build-dev lint fmt rust-test py-test wheel-test clean
+.PHONY: demo test bench build-dev lint fmt rust-test py-test wheel-test clean net-tools
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,12 +32,18 @@ $(BENCH_STAMP): requirements/bench.txt $(STAMP)
 
 TRAIN := env OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --backend mcp
 
+# What the lossy-link tests and the demo use, installed from Debian when running as root:
+# nftables (silent packet loss in a network namespace) and iproute2 (namespaces, tbf).
+net-tools:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	    && { ! command -v nft >/dev/null || ! command -v ip >/dev/null; }; then \
+	  echo "== installing nftables and iproute2 (Debian) for the lossy-link tests"; \
+	  apt-get update -qq >/dev/null 2>&1 || true; \
+	  apt-get install -y -qq nftables iproute2 >/dev/null 2>&1 || true; fi
+
 # The main job: DDP training over MCP in two processes, on a lossy private link when this
 # machine allows it (root, iproute2, nftables: installed from Debian if missing), else loopback.
-demo: $(BUILT)
-	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null && ! command -v nft >/dev/null \
-	    && command -v apt-get >/dev/null; then \
-	  apt-get install -y -qq nftables >/dev/null 2>&1 || true; fi
+demo: $(BUILT) net-tools
 	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null && command -v nft >/dev/null; then \
 	  echo "== DDP over MCP, 2 ranks, 10% random packet loss (mcp-chaos network namespace)"; \
 	  $(VENV)/bin/mcp-chaos --loss 0.1 --hook input --timeout 600 -- $(TRAIN); \
@@ -61,7 +67,7 @@ fmt: $(STAMP)
 rust-test:
 	cargo test -p mcp-core
 
-py-test: $(BUILT)
+py-test: $(BUILT) net-tools
 	$(PY) -m pytest
 
 test: lint rust-test py-test

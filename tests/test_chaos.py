@@ -53,6 +53,15 @@ def test_damaged_and_lost_frames_heal_and_every_result_is_exact(lane: str) -> No
         assert all(out["lane_stats"]["frames_received"] > 0 for out in results)
 
 
+@pytest.mark.parametrize("lane", ["stream", "fec"])
+def test_a_short_cut_is_ridden_out(lane: str) -> None:
+    # Rank 1's link flaps for 1.5 s, well under the failure detector's limit (about 11 s at
+    # the default 5 s heartbeat): the all-reduce in flight waits, then finishes exact.
+    results = ok(run("flapped", 3, lane, 1.5, timeout=120))
+    assert results[1]["killed"] > 0, results  # the cut really dropped datagrams
+    assert results[1]["stalled"] >= 1.4, results  # ... and held the operation
+
+
 def test_a_host_cut_off_the_network_is_a_lost_peer() -> None:
     t0 = time.monotonic()
     res = run("cut_off", 2, timeout=90)

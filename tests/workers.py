@@ -362,3 +362,21 @@ def slow_peer(rank: int, world: int, victim: int, stall_timeout: float, pause: f
             g.all_reduce(a)
             assert (a == world ** (i + 1)).all()
         return 13
+
+
+def flapped(rank: int, world: int, lane: str, cut: float) -> dict[str, Any]:
+    """All-reduces while rank 1's link goes down for ``cut`` seconds (a flap, shorter than
+    the failure detector's limit) after the tenth; every result is checked exactly."""
+    with mcp.init(timeout=120, chaos="seed=1", lane=lane) as g:
+        for i in range(30):
+            if rank == 1 and i == 10:
+                g.chaos_cut(cut)
+            n = 65_537 if i % 2 else 300_001
+            a = data("float32", "sum", rank, n, salt=i)
+            t0 = time.monotonic()
+            g.all_reduce(a)
+            if rank == 1 and i == 10:
+                stalled = time.monotonic() - t0
+            want = sum(data("float32", "sum", r, n, salt=i) for r in range(world))
+            np.testing.assert_array_equal(a, want)
+        return {"killed": g.chaos_stats()["killed"], "stalled": stalled if rank == 1 else 0.0}

@@ -192,6 +192,12 @@ class Group:
         out is dropped from now on, as if the host vanished."""
         self.core.chaos_kill()
 
+    def chaos_cut(self, seconds: float) -> None:
+        """Cut this process off the network for ``seconds`` (needs ``chaos=`` at init), as a
+        link flap would: every datagram in and out is dropped meanwhile. Returns at once; the
+        path comes back by itself, and operations in flight continue."""
+        self.core.chaos_cut(seconds)
+
     def chaos_stats(self) -> dict[str, int]:
         """The fault injector's counters (empty without ``chaos=``)."""
         return self.core.chaos_stats()

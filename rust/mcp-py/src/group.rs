@@ -347,6 +347,17 @@ impl ProcessGroup {
             .map_err(|e| to_py(py, e))
     }
 
+    /// Cuts this process off the network for `seconds` (needs `chaos=` at init), as a link
+    /// flap would; returns at once, the path comes back by itself.
+    fn chaos_cut(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        let d = self::seconds("seconds", seconds)?;
+        let _in_runtime = runtime(py)?.enter();
+        self.group
+            .transport()
+            .chaos_cut(d)
+            .map_err(|e| to_py(py, e))
+    }
+
     /// The fault injector's counters (empty without `chaos=`).
     fn chaos_stats(&self) -> std::collections::HashMap<&'static str, u64> {
         use std::sync::atomic::Ordering::Relaxed;
@@ -361,6 +372,7 @@ impl ProcessGroup {
             ("delayed", s.delayed.load(Relaxed)),
             ("received", s.received.load(Relaxed)),
             ("recv_dropped", s.recv_dropped.load(Relaxed)),
+            ("killed", s.killed.load(Relaxed)),
         ]
         .into_iter()
         .collect()

@@ -164,6 +164,7 @@ pub struct QuicTransport {
     unacked_streams: AtomicUsize,
     stats: QuicStats,
     chaos_kill: Arc<AtomicBool>,
+    chaos_killed_for_good: AtomicBool,
     chaos_stats: Option<Arc<chaos::ChaosStats>>,
     breakers: Mutex<crate::health::PeerBreakers>,
     corrupter: Option<Mutex<rand::rngs::StdRng>>,
@@ -260,6 +261,7 @@ impl QuicTransport {
             unacked_streams: AtomicUsize::new(0),
             stats: QuicStats::default(),
             chaos_kill,
+            chaos_killed_for_good: AtomicBool::new(false),
             chaos_stats,
             breakers: Mutex::new(crate::health::PeerBreakers::new(world, Default::default())),
             corrupter,
@@ -346,7 +348,33 @@ impl QuicTransport {
                 "the kill switch needs chaos=... at init".into(),
             ));
         }
+        self.chaos_killed_for_good.store(true, Ordering::Release);
         self.chaos_kill.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Cuts this process off the network for `d` (chaos): every datagram in and out is
+    /// dropped meanwhile, as in a link flap, then the path is back by itself. Returns at once
+    /// (call it inside the runtime). Only with a chaos configuration; a
+    /// [`chaos_kill`](Self::chaos_kill) meanwhile is not undone.
+    pub fn chaos_cut(&self, d: Duration) -> Result<()> {
+        if self.chaos_stats.is_none() {
+            return Err(Error::InvalidArgument(
+                "a cut needs chaos=... at init".into(),
+            ));
+        }
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::InvalidArgument("chaos_cut runs inside the runtime".into()))?;
+        self.chaos_kill.store(true, Ordering::Release);
+        let me = self.me.clone();
+        rt.spawn(async move {
+            tokio::time::sleep(d).await;
+            if let Some(t) = me.upgrade() {
+                if !t.chaos_killed_for_good.load(Ordering::Acquire) {
+                    t.chaos_kill.store(false, Ordering::Release);
+                }
+            }
+        });
         Ok(())
     }
 
