@@ -97,6 +97,8 @@ struct Inner {
     aborted: HashMap<(Lane, u64), Error>,
     aborted_order: VecDeque<(Lane, u64)>,
     remote_aborts: VecDeque<(Lane, u64, Error)>,
+    /// Set when a member was lost: no collective can complete without it.
+    revoked: Option<Error>,
     closed: Option<Error>,
 }
 
@@ -177,7 +179,7 @@ impl Mailbox {
                     }
                 }
             }
-            FrameKind::Goodbye => self.fail_peer(
+            FrameKind::Goodbye => self.peer_left(
                 src,
                 Error::PeerLost {
                     rank: src,
@@ -206,6 +208,11 @@ impl Mailbox {
             if let Some(e) = inner.lost_peers.get(&key.src) {
                 return Err(e.clone());
             }
+            if key.lane == Lane::Collective {
+                if let Some(e) = &inner.revoked {
+                    return Err(e.clone());
+                }
+            }
             let (tx, rx) = oneshot::channel();
             inner.slots.insert(key, Slot::Waiting(tx));
             rx
@@ -216,15 +223,35 @@ impl Mailbox {
         }
     }
 
-    /// Fails every current and future wait on `peer` with `err`.
+    /// A member was lost (killed, silent, stalled, untrustworthy): fails every current and
+    /// future wait on it with `err`, and every current and future wait of a collective, which
+    /// cannot complete without it (as MPI's revoke does), so that every survivor learns of
+    /// the loss from its own detector, whoever it is waiting for. Point-to-point with the
+    /// others goes on.
     pub fn fail_peer(&self, peer: usize, err: Error) {
+        self.fail(peer, err, true);
+    }
+
+    /// A member closed its group after delivering everything: fails every current and future
+    /// wait on it with `err`; collectives among the others may still finish what they need.
+    pub fn peer_left(&self, peer: usize, err: Error) {
+        self.fail(peer, err, false);
+    }
+
+    fn fail(&self, peer: usize, err: Error, revoke: bool) {
         let mut inner = self.lock();
         inner.lost_peers.entry(peer).or_insert_with(|| err.clone());
+        if revoke && inner.revoked.is_none() {
+            inner.revoked = Some(err.clone());
+        }
         // Frames that already arrived stay: the operation may still consume them.
         let keys: Vec<MsgKey> = inner
             .slots
             .iter()
-            .filter(|(k, s)| k.src == peer && matches!(s, Slot::Waiting(_)))
+            .filter(|(k, s)| {
+                (k.src == peer || (revoke && k.lane == Lane::Collective))
+                    && matches!(s, Slot::Waiting(_))
+            })
             .map(|(k, _)| *k)
             .collect();
         for k in keys {
@@ -467,6 +494,57 @@ mod tests {
         mb.fail_peer(3, err.clone());
         assert_eq!(w.await.expect("join").err(), Some(err.clone()));
         assert_eq!(mb.recv(k).await.err(), Some(err));
+    }
+
+    #[tokio::test]
+    async fn a_lost_member_fails_every_collective_wait_whoever_it_is_on() {
+        let mb = std::sync::Arc::new(Mailbox::new());
+        // This rank waits for rank 0 in a collective; rank 2 is the one lost.
+        let (on_0, _) = frame(0, 7, 0);
+        let mb2 = mb.clone();
+        let w = tokio::spawn(async move { mb2.recv(on_0).await });
+        tokio::task::yield_now().await;
+        let lost = Error::PeerLost {
+            rank: 2,
+            op: "x".into(),
+            reason: "silent".into(),
+        };
+        mb.fail_peer(2, lost.clone());
+        assert_eq!(w.await.expect("join").err(), Some(lost.clone()));
+        // And every later collective, which could not complete without it.
+        let (later, _) = frame(0, 8, 0);
+        assert_eq!(mb.recv(later).await.err(), Some(lost));
+        // Point-to-point with the others goes on.
+        let p2p = MsgKey {
+            lane: Lane::P2p,
+            ..later
+        };
+        let (_, mut f) = frame(0, 8, 0);
+        f.header.kind = FrameKind::Send;
+        mb.deliver(p2p, Ok(f));
+        assert!(mb.recv(p2p).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_member_that_left_fails_only_the_waits_on_it() {
+        let mb = std::sync::Arc::new(Mailbox::new());
+        let (on_0, f0) = frame(0, 7, 0);
+        let mb2 = mb.clone();
+        let w = tokio::spawn(async move { mb2.recv(on_0).await });
+        tokio::task::yield_now().await;
+        mb.peer_left(
+            2,
+            Error::PeerLost {
+                rank: 2,
+                op: "x".into(),
+                reason: "it closed its group".into(),
+            },
+        );
+        // The collective may still get what it needs from rank 0.
+        mb.deliver(on_0, Ok(f0));
+        assert!(w.await.expect("join").is_ok());
+        let (on_2, _) = frame(2, 7, 1);
+        assert!(matches!(mb.recv(on_2).await, Err(Error::PeerLost { .. })));
     }
 
     #[tokio::test]

@@ -927,7 +927,19 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
     }
     if let Some(p) = peer {
         let err = map_conn_error(&end, p, &format!("rank {p}"), "any operation");
-        t.mailbox.fail_peer(p, err);
+        // A goodbye, or our own close after the peer's farewell: it left, it was not lost.
+        let left = match &end {
+            ConnectionError::ApplicationClosed(c) => {
+                u64::from(c.error_code) == u64::from(close_code::GOODBYE)
+            }
+            ConnectionError::LocallyClosed => true,
+            _ => false,
+        };
+        if left {
+            t.mailbox.peer_left(p, err);
+        } else {
+            t.mailbox.fail_peer(p, err);
+        }
     }
 }
 
@@ -1030,7 +1042,7 @@ async fn farewell(
         cap,
     )
     .await;
-    t.mailbox.fail_peer(
+    t.mailbox.peer_left(
         src,
         Error::PeerLost {
             rank: src,
