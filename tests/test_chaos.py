@@ -24,6 +24,10 @@ def test_collectives_are_exact_through_a_lossy_socket(spec: str) -> None:
         np.testing.assert_array_equal(out["broadcast"], data("int64", "sum", 0, 50_000))
         assert out["stats"]["sent"] > 0
         assert out["stats"]["send_dropped"] + out["stats"]["recv_dropped"] > 0, out["stats"]
+        # QUIC's own loss is visible, as it would be on a real lossy link.
+        assert 0 < out["quic"]["quic_lost_packets"] < out["quic"]["quic_sent_packets"], out
+        [peer] = out["health"]
+        assert peer["lost_packets"] > 0 and peer["cwnd"] > 0 and peer["mtu"] >= 1200, peer
 
 
 def test_frames_damaged_past_the_resend_limit_fail_the_operation_on_every_rank() -> None:

@@ -29,6 +29,8 @@ TRANSPORT = {
     "corrupt_frames",
     "retransmits",
     "refused_handshakes",
+    "quic_sent_packets",
+    "quic_lost_packets",
 }
 
 
@@ -53,6 +55,8 @@ def test_snapshot_after_collectives_in_two_ranks():
         assert g["transport"]["bytes_sent"] > 4 * (1 << 16)
         assert g["transport"]["bytes_received"] > 4 * (1 << 16)
         assert g["transport"]["frames_sent"] > 0 and g["transport"]["corrupt_frames"] == 0
+        assert g["transport"]["quic_sent_packets"] > 0
+        assert g["path"][1 - rank]["sent_packets"] > 0 and g["path"][1 - rank]["cwnd"] > 0
         peer = 1 - rank
         assert list(g["rtt"]) == [peer]
         assert 0 < g["rtt"][peer] < 1.0
@@ -182,6 +186,10 @@ _EXPECTED = [
     "mcp_corrupt_frames_total",
     "mcp_retransmits_total",
     "mcp_peer_rtt_seconds",
+    "mcp_peer_sent_packets_total",
+    "mcp_peer_lost_packets_total",
+    "mcp_peer_cwnd_bytes",
+    "mcp_peer_mtu_bytes",
     "mcp_peer_connected",
     "mcp_ops_total",
     "mcp_ops_started_total",
@@ -319,12 +327,13 @@ def test_diag_network_two_processes():
     human, js = outs[0][0], json.loads(outs[1][0])
     assert "RTT (4 B all-reduce)" in human and "p99" in human
     assert "bandwidth" in human and "MB/s" in human and "loss hints" in human
-    assert "no fault injector" in human or "fault injector dropped" in human
+    assert "QUIC lost" in human and "packets" in human
     assert js["rank"] == 1 and js["size"] == 1 << 20 and js["count"] == 5
     assert 0 < js["latency_p50_s"] <= js["latency_p99_s"] < 5
     assert js["algbw_Bps"] > 0 and js["busbw_Bps"] == pytest.approx(js["algbw_Bps"])
     assert 0 < js["rtt_s"]["0"] < 1
     assert js["transport"]["bytes_sent"] >= 5 * (1 << 20)
+    assert js["transport"]["quic_sent_packets"] > 0
 
 
 def test_diag_network_bad_arguments(capsys):

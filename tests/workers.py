@@ -180,6 +180,8 @@ def under_chaos(rank: int, world: int, spec: str) -> dict[str, Any]:
         g.broadcast(b, src=0)
         out["broadcast"] = b
         out["stats"] = g.chaos_stats()
+        out["quic"] = g.stats()
+        out["health"] = g.health()
     return out
 
 

@@ -49,6 +49,7 @@ def _group_snapshot(g: Group) -> dict[str, Any]:
         "open": core is not None,
         "transport": {},
         "rtt": {},
+        "path": {},
         "chaos": {},
         "ops": g._metrics.copy(),
     }
@@ -57,6 +58,11 @@ def _group_snapshot(g: Group) -> dict[str, Any]:
     try:
         out["transport"] = dict(core.stats())
         out["rtt"] = {p: core.rtt(p) for p in range(g.world_size) if p != g.rank}
+        out["path"] = {
+            h["rank"]: {k: h[k] for k in _PATH_KEYS}
+            for h in core.health()
+            if h["sent_packets"] is not None
+        }
         out["chaos"] = dict(core.chaos_stats())
     except MCPError:  # closed under our feet
         out["open"] = False
@@ -107,6 +113,18 @@ class _Family:
         return self.name + "_total" if self.kind == "counter" else self.name
 
 
+_PATH_KEYS = ("sent_packets", "lost_packets", "lost_bytes", "congestion_events", "cwnd", "mtu")
+_PATH_COUNTERS = {
+    "sent_packets": "QUIC packets sent to the peer",
+    "lost_packets": "QUIC packets to the peer declared lost (and resent)",
+    "lost_bytes": "Bytes of QUIC packets to the peer declared lost",
+    "congestion_events": "Congestion events on the path to the peer",
+}
+_PATH_GAUGES = {
+    "cwnd": ("mcp_peer_cwnd_bytes", "QUIC congestion window to the peer"),
+    "mtu": ("mcp_peer_mtu_bytes", "Path MTU to the peer"),
+}
+
 _TRANSPORT_HELP = {
     "frames_sent": "MCP frames sent to all peers",
     "frames_received": "MCP frames received from all peers",
@@ -114,6 +132,8 @@ _TRANSPORT_HELP = {
     "bytes_received": "Bytes of MCP frames received from all peers",
     "corrupt_frames": "Frames received whose checksum failed",
     "refused_handshakes": "Connections refused at the TLS handshake (wrong secret, version)",
+    "quic_sent_packets": "QUIC packets sent on the connections open now",
+    "quic_lost_packets": "QUIC packets declared lost on the connections open now",
 }
 
 
@@ -156,6 +176,14 @@ def _families(snap: dict[str, Any]) -> list[_Family]:
                 fam(
                     "mcp_peer_rtt_seconds", "gauge", "Smoothed QUIC round-trip time to the peer"
                 ).samples.append((labels, float(rtt)))
+        for peer, figures in sorted(g.get("path", {}).items()):
+            labels = {**base, "peer": str(peer)}
+            for key, help in _PATH_COUNTERS.items():
+                fam(f"mcp_peer_{key}", "counter", help).samples.append(
+                    (labels, float(figures[key]))
+                )
+            for key, (name, help) in _PATH_GAUGES.items():
+                fam(name, "gauge", help).samples.append((labels, float(figures[key])))
         for key, value in sorted(g["chaos"].items()):
             fam(
                 f"mcp_chaos_{key}", "counter", f"Fault injector: datagrams {key.replace('_', ' ')}"

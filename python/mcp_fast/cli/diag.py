@@ -200,13 +200,14 @@ def _network(args: argparse.Namespace) -> int:
     )
     hints = [f"corrupt frames {tr.get('corrupt_frames', 0)}"]
     hints.append(f"refused handshakes {tr.get('refused_handshakes', 0)}")
+    sent, lost = tr.get("quic_sent_packets", 0), tr.get("quic_lost_packets", 0)
+    pct = f" ({100 * lost / sent:.2f}%)" if sent else ""
+    hints.append(f"QUIC lost {lost} of {sent} packets{pct}")
     if ch:
         dropped = ch.get("send_dropped", 0) + ch.get("recv_dropped", 0) + ch.get("rate_dropped", 0)
         total = ch.get("sent", 0) + ch.get("received", 0)
         pct = f" ({100 * dropped / total:.1f}% of datagrams)" if total else ""
         hints.append(f"fault injector dropped {dropped}{pct}")
-    else:
-        hints.append("no fault injector (QUIC's own loss counters are not exposed)")
     p50, p99 = r["latency_p50_s"], r["latency_p99_s"]
     if r["count"] >= 20 and p99 > 5 * p50 and p99 - p50 > 1e-3:
         hints.append("p99 > 5 x p50: retransmissions or a busy host")

@@ -281,10 +281,13 @@ impl ProcessGroup {
     }
 
     /// Transport counters: frames and bytes sent and received, corrupt frames, frames resent
-    /// after a failed checksum, refused handshakes.
+    /// after a failed checksum, refused handshakes, and QUIC's packets sent and lost over
+    /// the connections open now.
     fn stats(&self) -> std::collections::HashMap<&'static str, u64> {
         use std::sync::atomic::Ordering::Relaxed;
-        let s = self.group.transport().stats();
+        let t = self.group.transport();
+        let s = t.stats();
+        let paths: Vec<_> = t.health().into_iter().filter_map(|h| h.path).collect();
         [
             ("refused_handshakes", s.refused_handshakes.load(Relaxed)),
             ("frames_received", s.frames_received.load(Relaxed)),
@@ -293,6 +296,14 @@ impl ProcessGroup {
             ("retransmits", s.retransmits.load(Relaxed)),
             ("bytes_sent", s.bytes_sent.load(Relaxed)),
             ("bytes_received", s.bytes_received.load(Relaxed)),
+            (
+                "quic_sent_packets",
+                paths.iter().map(|p| p.sent_packets).sum(),
+            ),
+            (
+                "quic_lost_packets",
+                paths.iter().map(|p| p.lost_packets).sum(),
+            ),
         ]
         .into_iter()
         .collect()
@@ -333,6 +344,13 @@ impl ProcessGroup {
                 d.set_item("last_seen", h.last_seen.map(|d| d.as_secs_f64()))?;
                 d.set_item("silence_limit", h.silence_limit.map(|d| d.as_secs_f64()))?;
                 d.set_item("reason", h.reason)?;
+                let p = h.path;
+                d.set_item("sent_packets", p.map(|p| p.sent_packets))?;
+                d.set_item("lost_packets", p.map(|p| p.lost_packets))?;
+                d.set_item("lost_bytes", p.map(|p| p.lost_bytes))?;
+                d.set_item("congestion_events", p.map(|p| p.congestion_events))?;
+                d.set_item("cwnd", p.map(|p| p.cwnd))?;
+                d.set_item("mtu", p.map(|p| p.mtu))?;
                 Ok(d)
             })
             .collect()

@@ -39,6 +39,41 @@ pub struct PeerHealth {
     pub silence_limit: Option<Duration>,
     /// Why the peer was declared lost.
     pub reason: Option<String>,
+    /// QUIC's own figures of the path, when connected: the loss a real link has (the fault
+    /// injector's drops are counted apart).
+    pub path: Option<PathFigures>,
+}
+
+/// QUIC's view of the path to one peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PathFigures {
+    /// Packets sent on the connection.
+    pub sent_packets: u64,
+    /// Packets QUIC declared lost (and so retransmitted what they carried).
+    pub lost_packets: u64,
+    /// Bytes in the packets declared lost.
+    pub lost_bytes: u64,
+    /// Congestion events (the controller backed off).
+    pub congestion_events: u64,
+    /// The congestion window, bytes.
+    pub cwnd: u64,
+    /// The path MTU in use, bytes.
+    pub mtu: u16,
+}
+
+impl PathFigures {
+    /// The figures of a connection's path now.
+    pub fn of(conn: &Connection) -> PathFigures {
+        let p = conn.stats().path;
+        PathFigures {
+            sent_packets: p.sent_packets,
+            lost_packets: p.lost_packets,
+            lost_bytes: p.lost_bytes,
+            congestion_events: p.congestion_events,
+            cwnd: p.cwnd,
+            mtu: p.current_mtu,
+        }
+    }
 }
 
 /// Watches one connection until it closes or its peer falls silent.

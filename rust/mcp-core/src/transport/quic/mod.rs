@@ -13,7 +13,7 @@ pub mod tls;
 
 pub use bulk::{BulkConfig, LanePolicy, BULK_MAGIC};
 pub use congestion::CongestionKind;
-pub use heartbeat::PeerHealth;
+pub use heartbeat::{PathFigures, PeerHealth};
 pub use stream_lane::RETAIN_BYTES;
 
 use super::{Frame, Lane, Mailbox, MsgKey, Transport, DEFAULT_RESEND_LIMIT, MAX_RESENDS};
@@ -419,7 +419,8 @@ impl QuicTransport {
             .filter(|&p| p != self.rank)
             .map(|p| {
                 let slot = &self.peers[p];
-                let connected = slot.conn.borrow().is_some();
+                let path = slot.conn.borrow().as_ref().map(PathFigures::of);
+                let connected = path.is_some();
                 let seen = *slot.health.lock().unwrap_or_else(|e| e.into_inner());
                 let lost = self.mailbox.peer_error(p);
                 PeerHealth {
@@ -435,6 +436,7 @@ impl QuicTransport {
                     last_seen: seen.map(|s| s.1),
                     silence_limit: seen.map(|s| s.2),
                     reason: lost.map(|e| e.to_string()),
+                    path,
                 }
             })
             .collect()
