@@ -528,6 +528,7 @@ def init(
     lane: str | None = None,
     resend_limit: int | None = None,
     stall_timeout: float | None = None,
+    allow_generated_secret: bool | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -535,9 +536,10 @@ def init(
     Arguments default to torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
     (default 127.0.0.1) and ``MASTER_PORT`` (default 29500; rank 0 listens there on UDP).
     ``secret`` defaults to ``MCP_SECRET``; without either, rank 0 generates one and hands it
-    to the others at the rendezvous (see the README for what that trusts). ``timeout`` bounds
-    every operation (default ``MCP_TIMEOUT`` or 300 s); ``connect_timeout`` bounds the
-    rendezvous (default: ``timeout``). ``chaos`` (default ``MCP_CHAOS``) injects faults:
+    to the others at the rendezvous, on loopback only unless ``allow_generated_secret`` (or
+    ``MCP_ALLOW_GENERATED_SECRET=1``): elsewhere anyone reaching the port could take it.
+    ``timeout`` bounds every operation (default ``MCP_TIMEOUT`` or 300 s); ``connect_timeout``
+    bounds the rendezvous (default: ``timeout``). ``chaos`` (default ``MCP_CHAOS``) injects faults:
     ``Chaos(loss=0.2, seed=1)`` or ``"loss=0.2,delay=5ms,rate=1gbit,seed=1"``.
     ``heartbeat`` (seconds): a peer silent for 2 heartbeats plus max(min(1 s, heartbeat / 4),
     1.3 x mean RTT) is declared lost (``PeerLostError``), within 3 heartbeats of its death.
@@ -575,6 +577,7 @@ def init(
         lane=lane,
         resend_limit=resend_limit,
         stall_timeout=stall_timeout,
+        allow_generated_secret=allow_generated_secret,
     )
     core = _core.ProcessGroup(
         rank,

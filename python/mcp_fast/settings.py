@@ -3,19 +3,18 @@ environment, then the default. ``mcp.init``, the torch backend (``init_process_g
 and the parameter server all take their settings from here, so that ``MCP_CHAOS``,
 ``MCP_LANE`` and the rest reach every kind of group alike.
 
-========================  ==================  =====================================================
-environment variable      argument            meaning (default)
-========================  ==================  =====================================================
-``MCP_SECRET``            ``secret``          the job secret (none: rank 0 makes one)
-``MCP_TIMEOUT``           ``timeout``         seconds an operation may take (300)
-``MCP_CONNECT_TIMEOUT``   ``connect_timeout`` seconds the rendezvous may take (``timeout``)
-``MCP_IDLE_TIMEOUT``      ``idle_timeout``    seconds of silence before QUIC closes a path (30)
-``MCP_HEARTBEAT``         ``heartbeat``       seconds between heartbeats (5)
-``MCP_CHAOS``             ``chaos``           faults to inject, e.g. ``loss=0.2,corrupt=0.01``
-``MCP_LANE``              ``lane``            ``auto``, ``stream`` or ``fec`` (``auto``)
-``MCP_RESEND_LIMIT``      ``resend_limit``    resends of a damaged frame before failing (8)
-``MCP_STALL_TIMEOUT``     ``stall_timeout``   least wait on a reachable peer that does not move (60)
-========================  ==================  =====================================================
+- ``MCP_SECRET`` / ``secret``: the job secret (none: rank 0 makes one and hands it out).
+- ``MCP_ALLOW_GENERATED_SECRET`` / ``allow_generated_secret``: without a secret on an address
+  other than loopback, hand rank 0's generated one out anyway (default: refuse to start).
+- ``MCP_TIMEOUT`` / ``timeout``: seconds an operation may take (300).
+- ``MCP_CONNECT_TIMEOUT`` / ``connect_timeout``: seconds the rendezvous may take (``timeout``).
+- ``MCP_IDLE_TIMEOUT`` / ``idle_timeout``: seconds of silence before QUIC closes a path (30).
+- ``MCP_HEARTBEAT`` / ``heartbeat``: seconds between heartbeats (5).
+- ``MCP_CHAOS`` / ``chaos``: faults to inject, e.g. ``loss=0.2,corrupt=0.01,seed=1``.
+- ``MCP_LANE`` / ``lane``: ``auto``, ``stream`` or ``fec`` (``auto``).
+- ``MCP_RESEND_LIMIT`` / ``resend_limit``: resends of a damaged frame before failing (8).
+- ``MCP_STALL_TIMEOUT`` / ``stall_timeout``: the least wait on a reachable peer that does not
+  move before it is reported stalled (60).
 
 Values are checked once, by the core, which names the setting that is wrong.
 """
@@ -66,6 +65,7 @@ class Settings:
     lane: str
     resend_limit: int
     stall_timeout: float
+    allow_generated_secret: bool
 
     @classmethod
     def resolve(
@@ -80,6 +80,7 @@ class Settings:
         lane: str | None = None,
         resend_limit: int | None = None,
         stall_timeout: float | None = None,
+        allow_generated_secret: bool | None = None,
     ) -> Settings:
         """The settings for the given arguments; those left ``None`` come from the
         environment, then from the defaults."""
@@ -98,6 +99,9 @@ class Settings:
             lane=_first(lane, os.environ.get("MCP_LANE") or None, "auto"),
             resend_limit=int(_first(resend_limit, _env_int("MCP_RESEND_LIMIT"), 8)),
             stall_timeout=float(_first(stall_timeout, _env_float("MCP_STALL_TIMEOUT"), 60.0)),
+            allow_generated_secret=bool(
+                _first(allow_generated_secret, _env_int("MCP_ALLOW_GENERATED_SECRET"), 0)
+            ),
         )
 
     def core_kwargs(self) -> dict[str, Any]:
@@ -112,4 +116,5 @@ class Settings:
             "lane": self.lane,
             "resend_limit": self.resend_limit,
             "stall_timeout": self.stall_timeout,
+            "allow_generated_secret": self.allow_generated_secret,
         }

@@ -173,7 +173,7 @@ impl ProcessGroup {
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
                         heartbeat=5.0, lane=None, resend_limit=8,
-                        stall_timeout=60.0))]
+                        stall_timeout=60.0, allow_generated_secret=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -194,6 +194,7 @@ impl ProcessGroup {
         lane: Option<&str>,
         resend_limit: u32,
         stall_timeout: f64,
+        allow_generated_secret: bool,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -205,6 +206,7 @@ impl ProcessGroup {
         }
         let mut cfg = QuicConfig::new(rank, world_size, resolve(master_addr, master_port)?);
         cfg.secret = secret;
+        cfg.allow_generated_secret = allow_generated_secret;
         cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
         cfg.idle_timeout = seconds("idle_timeout", idle_timeout)?;
         cfg.heartbeat = seconds("heartbeat", heartbeat)?;

@@ -60,8 +60,12 @@ pub struct QuicConfig {
     pub world_size: usize,
     /// Where rank 0 listens (rank 0 binds it; the others connect to it).
     pub master: SocketAddr,
-    /// The job secret; `None` lets rank 0 generate one and hand it out (see the README).
+    /// The job secret; `None` lets rank 0 generate one and hand it out at the rendezvous,
+    /// which is allowed on loopback only unless `allow_generated_secret` (see the README).
     pub secret: Option<Vec<u8>>,
+    /// With no `secret` on an address other than loopback: rank 0 hands the secret it
+    /// generates to whoever reaches its port during the rendezvous. Off by default there.
+    pub allow_generated_secret: bool,
     /// How long the rendezvous may take.
     pub connect_timeout: Duration,
     /// A connection with no packets for this long is closed by QUIC (a backstop: the
@@ -97,6 +101,7 @@ impl QuicConfig {
             world_size,
             master,
             secret: None,
+            allow_generated_secret: false,
             connect_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(30),
             heartbeat: Duration::from_secs(5),
@@ -193,6 +198,12 @@ impl QuicTransport {
             return Err(Error::InvalidArgument(format!(
                 "rank {} is not in a world of {} ranks",
                 cfg.rank, cfg.world_size
+            )));
+        }
+        if cfg.secret.is_none() && !cfg.master.ip().is_loopback() && !cfg.allow_generated_secret {
+            return Err(Error::InvalidArgument(format!(
+                "no job secret, and {} is not a loopback address: rank 0 would hand a generated secret to whoever reaches its port during the rendezvous. Set the same secret on every rank (MCP_SECRET=$(openssl rand -hex 32), or secret=...), or opt in to the generated one on a network you trust (MCP_ALLOW_GENERATED_SECRET=1 or allow_generated_secret=True)",
+                cfg.master
             )));
         }
         if cfg.stall_timeout.is_zero() {
