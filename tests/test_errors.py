@@ -119,7 +119,9 @@ def test_wrong_secret_is_refused_at_the_handshake() -> None:
 def test_version_mismatch_names_both_versions() -> None:
     ours, newer = failures(run("join_with_versions", 2, [1, 2], 4.0, timeout=60))
     assert newer.type == "VersionMismatchError", newer.message
-    assert "speaks MCP 2.0" in newer.message and "peer speaks MCP 1.0" in newer.message
+    minor = mcp.PROTOCOL_VERSION.split(".")[1]
+    assert f"speaks MCP 2.{minor}" in newer.message, newer.message
+    assert f"peer speaks MCP 1.{minor}" in newer.message, newer.message
     assert ours.type == "MCPTimeoutError", ours.message
 
 

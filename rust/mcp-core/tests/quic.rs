@@ -121,6 +121,28 @@ async fn other_protocol_version_is_refused_with_both_versions() {
     r0.abort();
 }
 
+/// Minor versions are pinned too: a minor version may frame data differently, so a peer of
+/// another minor is refused at the handshake with both versions named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_minor_version_is_refused_with_both_versions() {
+    use mcp_core::wire::{PROTOCOL_MAJOR, PROTOCOL_MINOR};
+    let master = free_port();
+    let r0 = tokio::spawn(QuicTransport::connect(config(0, 2, master, Some(b"s"))));
+    let mut older = config(1, 2, master, Some(b"s"));
+    older.protocol_minor = PROTOCOL_MINOR.wrapping_sub(1);
+    match QuicTransport::connect(older).await {
+        Err(Error::VersionMismatch { ours, theirs, .. }) => {
+            assert_eq!(
+                ours,
+                format!("{PROTOCOL_MAJOR}.{}", PROTOCOL_MINOR.wrapping_sub(1))
+            );
+            assert_eq!(theirs, format!("{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"));
+        }
+        other => panic!("expected VersionMismatch, got {:?}", other.err()),
+    }
+    r0.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_rank_times_out_naming_it() {
     let master = free_port();

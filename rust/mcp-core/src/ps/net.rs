@@ -18,7 +18,12 @@ use std::time::Duration;
 
 /// ALPN of the parameter-server protocol.
 pub(crate) fn alpn() -> Vec<u8> {
-    format!("mcp-ps/{}", crate::wire::PROTOCOL_MAJOR).into_bytes()
+    format!(
+        "mcp-ps/{}.{}",
+        crate::wire::PROTOCOL_MAJOR,
+        crate::wire::PROTOCOL_MINOR
+    )
+    .into_bytes()
 }
 
 /// Largest data section a message may announce.

@@ -22,8 +22,10 @@ pub const HEADER_FIXED: usize = 56;
 pub const HEADER_MAX: usize = HEADER_FIXED + 8 * MAX_DIMS;
 /// The protocol's major version: peers must agree on it.
 pub const PROTOCOL_MAJOR: u8 = 1;
-/// The protocol's minor version: informative only.
-pub const PROTOCOL_MINOR: u8 = 0;
+/// The protocol's minor version: peers must agree on it too (it is pinned at the handshake,
+/// as the design advises, since a minor version may frame data differently). 1: stream-lane
+/// frames with the receiver's verdict, and progress reports.
+pub const PROTOCOL_MINOR: u8 = 1;
 
 /// What a frame is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -76,6 +76,8 @@ pub struct QuicConfig {
     pub heartbeat: Duration,
     /// The protocol major version to announce (tests set another to check refusal).
     pub protocol_major: u8,
+    /// The protocol minor version to announce (tests set another to check refusal).
+    pub protocol_minor: u8,
     /// Faults to inject under QUIC (loss, delay, rate cap, ...) and corruption of frame
     /// payloads above it; `None` for a clean socket.
     pub chaos: Option<chaos::ChaosConfig>,
@@ -106,6 +108,7 @@ impl QuicConfig {
             idle_timeout: Duration::from_secs(30),
             heartbeat: Duration::from_secs(5),
             protocol_major: PROTOCOL_MAJOR,
+            protocol_minor: PROTOCOL_MINOR,
             chaos: None,
             bulk: BulkConfig::default(),
             congestion: CongestionKind::from_env(),
@@ -231,7 +234,7 @@ impl QuicTransport {
         };
         let sock = endpoint::bind_socket(bind, cfg.rank == 0)?;
         let mut alpns = vec![
-            tls::alpn_for(cfg.protocol_major),
+            tls::alpn_for(cfg.protocol_major, cfg.protocol_minor),
             tls::ALPN_FALLBACK.to_vec(),
         ];
         let client_cfg = endpoint::client_config(&identity, alpns.clone(), &cfg, &sock)?;
@@ -593,7 +596,7 @@ impl QuicTransport {
                 _ => "an unknown version".into(),
             };
             return Err(Error::VersionMismatch {
-                ours: format!("{}.{PROTOCOL_MINOR}", self.cfg.protocol_major),
+                ours: format!("{}.{}", self.cfg.protocol_major, self.cfg.protocol_minor),
                 theirs,
                 peer: format!("rank {peer} at {addr}"),
             });
@@ -869,7 +872,7 @@ async fn accept_loop(me: Weak<QuicTransport>) {
                 }
                 Some(a) if a == tls::ALPN_FALLBACK => {
                     t.stats.refused_handshakes.fetch_add(1, Ordering::Relaxed);
-                    let ours = format!("{}.{PROTOCOL_MINOR}", t.cfg.protocol_major);
+                    let ours = format!("{}.{}", t.cfg.protocol_major, t.cfg.protocol_minor);
                     conn.close(
                         VarInt::from_u32(close_code::VERSION_MISMATCH),
                         ours.as_bytes(),

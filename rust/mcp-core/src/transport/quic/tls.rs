@@ -3,8 +3,9 @@
 //! Every process derives the same certificate-authority key from the secret (HKDF-SHA256 into
 //! an Ed25519 seed), signs a fresh leaf certificate with it, and trusts only leaves signed by
 //! that key. A process without the secret cannot make a leaf we accept, nor accept ours: it is
-//! refused at the handshake. The protocol version travels in ALPN (`mcp/<major>`), with a
-//! version-neutral fallback `mcp` so that two versions can still meet and name each other.
+//! refused at the handshake. The protocol version travels in ALPN (`mcp/<major>.<minor>`:
+//! both are pinned), with a version-neutral fallback `mcp` so that two versions can still
+//! meet and name each other.
 
 use crate::error::{Error, Result};
 use rcgen::{
@@ -26,9 +27,9 @@ pub const ALPN_FALLBACK: &[u8] = b"mcp";
 /// ALPN of the bootstrap exchange that hands a generated secret to the other ranks.
 pub const ALPN_BOOTSTRAP: &[u8] = b"mcp-bootstrap";
 
-/// The ALPN string of a protocol major version.
-pub fn alpn_for(major: u8) -> Vec<u8> {
-    format!("mcp/{major}").into_bytes()
+/// The ALPN string of a protocol version.
+pub fn alpn_for(major: u8, minor: u8) -> Vec<u8> {
+    format!("mcp/{major}.{minor}").into_bytes()
 }
 
 fn provider() -> Arc<CryptoProvider> {
