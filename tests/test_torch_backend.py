@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -126,6 +129,57 @@ def test_mcp_chaos_and_mcp_lane_reach_the_torch_backend() -> None:
     results = ok(run("torch_workers.through_env_chaos", 2, 20, timeout=120, env=env))
     assert all(out["lane"] == "stream" for out in results)
     assert sum(out["stats"]["retransmits"] for out in results) > 0, results
+
+
+def _expected(name: str, rank: int, world: int) -> dict[str, bytes]:
+    """What every collective of ``torch_workers.every_dtype`` must give, for a dtype that Gloo
+    cannot move: the same values, built here byte for byte."""
+    import numpy as np
+
+    from torch_workers import _values
+
+    dt = getattr(torch, name)
+
+    def raw(t: torch.Tensor) -> bytes:
+        return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+    out = {
+        "broadcast": raw(_values(dt, 0)),
+        "all_gather": b"".join(raw(_values(dt, r)) for r in range(world)),
+        "all_to_all": b"".join(raw(_values(dt, r, 3)) for r in range(world)),
+        "p2p": raw(_values(dt, 0)),
+    }
+    if not name.startswith("float8"):
+        total = sum(_values(dt, r).numpy().astype(np.dtype(name)) for r in range(world))
+        out["all_reduce"] = np.asarray(total, dtype=np.dtype(name)).tobytes()
+    return out
+
+
+def test_every_dtype_moves_bit_exactly_and_reduces_like_gloo() -> None:
+    # torch's own distributed tests broadcast and gather int8, bool, ... tensors: every dtype
+    # torch has travels bit for bit, and all-reduce gives Gloo's answer where Gloo reduces it
+    # (and the wrapping integer sum where Gloo knows no such dtype).
+    from torch_workers import NOT_IN_GLOO, TORCH_DTYPES
+
+    mcp = ok(run("torch_workers.every_dtype", 2, "mcp", timeout=180))
+    gloo = ok(run("torch_workers.every_dtype", 2, "gloo", timeout=180))
+    for rank in range(2):
+        assert set(mcp[rank]) == set(TORCH_DTYPES)
+        for name, res in mcp[rank].items():
+            want = _expected(name, rank, 2) if name in NOT_IN_GLOO else gloo[rank][name]
+            assert set(res) == set(want), name
+            for key, got in res.items():
+                assert got == want[key], (rank, name, key)
+
+
+@pytest.mark.parametrize("first", ["mcp_fast.torch", "mcp_fast", "torch"])
+def test_any_import_order_registers_the_backend(first: str) -> None:
+    # `import mcp_fast.torch` first makes torch's import run our entry point while the package
+    # is half-loaded: that must neither fail nor leave "mcp" unregistered.
+    check = "import torch.distributed as dist\nassert 'mcp' in dist.Backend.backend_list"
+    code = f"import {first}\n{check}"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_int8_with_error_feedback_converges_like_uncompressed() -> None:

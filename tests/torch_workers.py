@@ -321,3 +321,69 @@ def through_env_chaos(rank: int, world: int, rounds: int) -> dict[str, Any]:
     out = {"lane": g.lane, "stats": g.stats()}
     dist.destroy_process_group()
     return out
+
+
+TORCH_DTYPES = [
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+]
+
+
+def _values(dtype: torch.dtype, rank: int, n: int = 12) -> torch.Tensor:
+    base = torch.arange(n, dtype=torch.int64) % 5 + rank
+    if dtype == torch.bool:
+        return base % 2 == 1
+    if dtype.is_complex:
+        return torch.complex(base.double(), -base.double()).to(dtype)
+    return base.to(dtype)
+
+
+# Gloo moves none of these (its "Invalid scalar type"): the test computes what to expect.
+NOT_IN_GLOO = {"int16", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"}
+
+
+def every_dtype(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Every data-moving collective on every dtype torch has (those Gloo knows on Gloo), and
+    all_reduce except on 8-bit floats; returns the results as bytes for an exact comparison."""
+    _init(backend)
+    out: dict[str, Any] = {}
+    for name in TORCH_DTYPES:
+        if backend == "gloo" and name in NOT_IN_GLOO:
+            continue
+        dt = getattr(torch, name)
+        mine = _values(dt, rank)
+        b = _values(dt, 0) if rank == 0 else torch.zeros_like(mine)
+        dist.broadcast(b, src=0)
+        g = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(g, mine)
+        a2a = torch.zeros(world * 3, dtype=dt)
+        dist.all_to_all_single(a2a, torch.cat([_values(dt, rank, 3)] * world))
+        if rank == 0:
+            dist.send(mine, dst=1)
+            p2p = mine
+        else:
+            p2p = torch.zeros_like(mine)
+            dist.recv(p2p, src=0)
+        res = {"broadcast": b, "all_gather": torch.stack(g), "all_to_all": a2a, "p2p": p2p}
+        if not name.startswith("float8"):
+            r = mine.clone()
+            dist.all_reduce(r)
+            res["all_reduce"] = r
+        out[name] = {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in res.items()}
+    dist.destroy_process_group()
+    return out

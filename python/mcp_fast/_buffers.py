@@ -13,17 +13,33 @@ from typing import Any
 
 import numpy as np
 
+# numpy's (and ml_dtypes') names for the core's dtypes; torch's are the same.
 _NUMPY_DTYPES = {
-    "float32": "float32",
-    "float64": "float64",
-    "float16": "float16",
-    "bfloat16": "bfloat16",  # ml_dtypes' numpy bfloat16
-    "int32": "int32",
-    "int64": "int64",
-    "uint8": "uint8",
+    name: name
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int32",
+        "int64",
+        "uint8",
+        "int8",
+        "int16",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    )
 }
 
-SUPPORTED = "float32, float64, float16, bfloat16, int32, int64, uint8"
+SUPPORTED = ", ".join(_NUMPY_DTYPES)
 
 
 @dataclass(frozen=True)

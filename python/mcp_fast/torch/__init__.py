@@ -13,9 +13,4 @@ from __future__ import annotations
 from .backend import MCPProcessGroup, register
 from .hooks import CompressionState, compression_hook
 
-__all__ = ["CompressionState", "MCPProcessGroup", "autoload", "compression_hook", "register"]
-
-
-def autoload() -> None:
-    """Entry point of the ``torch.backends`` group: registers ``"mcp"`` when torch loads."""
-    register()
+__all__ = ["CompressionState", "MCPProcessGroup", "compression_hook", "register"]

@@ -309,7 +309,9 @@ class MCPProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any
     ) -> Any:
-        return self._allgather_lists(output_lists, input_list)
+        # Coalesced outputs are indexed [rank][input] (allgather's are [input][rank]).
+        per_input = [[out[i] for out in output_lists] for i in range(len(input_list))]
+        return self._allgather_lists(per_input, input_list, result=output_lists)
 
     def _allgather_lists(
         self, outs: list[list[torch.Tensor]], ins: list[torch.Tensor], result: Any = None

@@ -3,7 +3,9 @@
 use crate::error::{Error, Result};
 use std::fmt;
 
-/// The element type of a tensor.
+/// The element type of a tensor: every dtype torch moves. All of them travel bit for bit in
+/// the data-moving collectives (broadcast, all-gather, send/recv); reductions take the ones
+/// Gloo reduces ([`ReduceOp::check`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum DType {
@@ -21,11 +23,35 @@ pub enum DType {
     I64 = 6,
     /// Unsigned 8-bit integer.
     U8 = 7,
+    /// Signed 8-bit integer.
+    I8 = 8,
+    /// Signed 16-bit integer.
+    I16 = 9,
+    /// Unsigned 16-bit integer.
+    U16 = 10,
+    /// Unsigned 32-bit integer.
+    U32 = 11,
+    /// Unsigned 64-bit integer.
+    U64 = 12,
+    /// Boolean, one byte (0 or 1); sum and max are "or", prod and min are "and".
+    Bool = 13,
+    /// Complex of two binary32 (real, imaginary); sum and avg only.
+    C64 = 14,
+    /// Complex of two binary64; sum and avg only.
+    C128 = 15,
+    /// 8-bit float, 4 exponent bits, finite (torch.float8_e4m3fn); moved, not reduced.
+    F8E4M3 = 16,
+    /// 8-bit float, 5 exponent bits (torch.float8_e5m2); moved, not reduced.
+    F8E5M2 = 17,
+    /// 8-bit float e4m3, finite, unsigned zero (torch.float8_e4m3fnuz); moved, not reduced.
+    F8E4M3Uz = 18,
+    /// 8-bit float e5m2, finite, unsigned zero (torch.float8_e5m2fnuz); moved, not reduced.
+    F8E5M2Uz = 19,
 }
 
 impl DType {
     /// Every dtype, for tests and lookups.
-    pub const ALL: [DType; 7] = [
+    pub const ALL: [DType; 19] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -33,21 +59,45 @@ impl DType {
         DType::I32,
         DType::I64,
         DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::Bool,
+        DType::C64,
+        DType::C128,
+        DType::F8E4M3,
+        DType::F8E5M2,
+        DType::F8E4M3Uz,
+        DType::F8E5M2Uz,
     ];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
+            DType::U8
+            | DType::I8
+            | DType::Bool
+            | DType::F8E4M3
+            | DType::F8E5M2
+            | DType::F8E4M3Uz
+            | DType::F8E5M2Uz => 1,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 | DType::C64 => 8,
+            DType::C128 => 16,
         }
     }
 
-    /// True for the floating-point types.
+    /// True for the real floating-point types that arithmetic (and the codecs) work on.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+
+    /// True for the complex types.
+    pub fn is_complex(self) -> bool {
+        matches!(self, DType::C64 | DType::C128)
     }
 
     /// The canonical lower-case name (`"float32"`, ...), as numpy and torch spell it.
@@ -60,6 +110,18 @@ impl DType {
             DType::I32 => "int32",
             DType::I64 => "int64",
             DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+            DType::Bool => "bool",
+            DType::C64 => "complex64",
+            DType::C128 => "complex128",
+            DType::F8E4M3 => "float8_e4m3fn",
+            DType::F8E5M2 => "float8_e5m2",
+            DType::F8E4M3Uz => "float8_e4m3fnuz",
+            DType::F8E5M2Uz => "float8_e5m2fnuz",
         }
     }
 
@@ -69,8 +131,10 @@ impl DType {
             .into_iter()
             .find(|d| d.name() == name)
             .ok_or_else(|| {
+                let names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
                 Error::InvalidArgument(format!(
-                    "unsupported dtype {name:?}; supported: float32, float64, float16, bfloat16, int32, int64, uint8"
+                    "unsupported dtype {name:?}; supported: {}",
+                    names.join(", ")
                 ))
             })
     }
@@ -146,9 +210,26 @@ impl ReduceOp {
         .find(|o| *o as u8 == code)
     }
 
-    /// Checks that this op can reduce `dtype`.
+    /// Checks that this op can reduce `dtype`: every op the real numbers, integers and bool
+    /// (where Gloo reduces them too); complex sum and avg; no 8-bit float (cast up first).
     pub fn check(self, dtype: DType) -> Result<()> {
-        if self == ReduceOp::Avg && !dtype.is_float() {
+        if self == ReduceOp::None {
+            return Ok(());
+        }
+        if matches!(
+            dtype,
+            DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Uz | DType::F8E5M2Uz
+        ) {
+            return Err(Error::InvalidArgument(format!(
+                "{dtype} is moved but not reduced; reduce it in a wider float (bfloat16, float32)"
+            )));
+        }
+        if dtype.is_complex() && !matches!(self, ReduceOp::Sum | ReduceOp::Avg) {
+            return Err(Error::InvalidArgument(format!(
+                "op '{self}' is not defined on {dtype}: complex tensors take 'sum' or 'avg'"
+            )));
+        }
+        if self == ReduceOp::Avg && !(dtype.is_float() || dtype.is_complex()) {
             return Err(Error::InvalidArgument(format!(
                 "op 'avg' needs a floating dtype, got {dtype}; use 'sum' and divide yourself"
             )));

@@ -339,7 +339,9 @@ mod tests {
                         let f = (rng.random::<f32>() - 0.5) * 1e-3;
                         u64::from(f.to_bits()) | ((f64::from(f).to_bits() >> 32) << 32)
                     };
-                    src.extend_from_slice(&v.to_le_bytes()[..dtype.size()]);
+                    for _ in 0..dtype.size().div_ceil(8) {
+                        src.extend_from_slice(&v.to_le_bytes()[..dtype.size().min(8)]);
+                    }
                 }
                 roundtrip(dtype, &src);
             }

@@ -30,8 +30,10 @@ fn sample(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
             DType::F16 => v.extend_from_slice(&half::f16::from_f32(g).to_le_bytes()),
             DType::BF16 => v.extend_from_slice(&half::bf16::from_f32(g).to_le_bytes()),
             _ => {
-                let r: u64 = rng.random();
-                v.extend_from_slice(&r.to_le_bytes()[..dtype.size()]);
+                for _ in 0..dtype.size().div_ceil(8) {
+                    let r: u64 = rng.random();
+                    v.extend_from_slice(&r.to_le_bytes()[..dtype.size().min(8)]);
+                }
             }
         }
     }

@@ -27,9 +27,34 @@ fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {
             DType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
             DType::I64 => out.extend_from_slice(&(v as i64).to_ne_bytes()),
             DType::U8 => out.push(v as u8),
+            DType::I8 => out.extend_from_slice(&(v as i8).to_ne_bytes()),
+            DType::I16 => out.extend_from_slice(&(v as i16).to_ne_bytes()),
+            DType::U16 => out.extend_from_slice(&(v as u16).to_ne_bytes()),
+            DType::U32 => out.extend_from_slice(&(v as u32).to_ne_bytes()),
+            DType::U64 => out.extend_from_slice(&(v as u64).to_ne_bytes()),
+            DType::Bool => out.push(u8::from(v != 0.0)),
+            DType::C64 => {
+                out.extend_from_slice(&(v as f32).to_ne_bytes());
+                out.extend_from_slice(&(-v as f32).to_ne_bytes());
+            }
+            DType::C128 => {
+                out.extend_from_slice(&v.to_ne_bytes());
+                out.extend_from_slice(&(-2.0 * v).to_ne_bytes());
+            }
+            // Moved only: any bit pattern will do.
+            DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Uz | DType::F8E5M2Uz => {
+                out.push((v as i8) as u8)
+            }
         }
     }
     out
+}
+
+fn unsigned(d: DType) -> bool {
+    matches!(
+        d,
+        DType::U8 | DType::U16 | DType::U32 | DType::U64 | DType::Bool
+    )
 }
 
 /// Deterministic inputs whose reduction is exact in every order.
@@ -38,10 +63,10 @@ fn input(dtype: DType, op: ReduceOp, rank: usize, n: usize, salt: usize) -> Vec<
         .map(|i| {
             let h = (i * 31 + rank * 17 + salt * 7) % 9;
             match (op, dtype) {
-                (ReduceOp::Prod, DType::U8) => 1.0 + (h % 2) as f64,
+                (ReduceOp::Prod, d) if unsigned(d) => 1.0 + (h % 2) as f64,
                 (ReduceOp::Prod, d) if !d.is_float() => [1.0, 2.0, -1.0][h % 3],
                 (ReduceOp::Prod, _) => [1.0, 2.0, -1.0, 0.5][h % 4],
-                (_, DType::U8) => h as f64,
+                (_, d) if unsigned(d) => h as f64,
                 _ => h as f64 - 4.0,
             }
         })

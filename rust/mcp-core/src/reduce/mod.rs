@@ -33,14 +33,27 @@ pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Re
         dst.copy_from_slice(src);
         return Ok(());
     }
+    op.check(dtype)?;
     match dtype {
         DType::F32 => typed::<f32>(dst, src, |d, s| native::apply(op, d, s)),
         DType::F64 => typed::<f64>(dst, src, |d, s| native::apply(op, d, s)),
         DType::I32 => typed::<i32>(dst, src, |d, s| native::apply(op, d, s)),
         DType::I64 => typed::<i64>(dst, src, |d, s| native::apply(op, d, s)),
         DType::U8 => typed::<u8>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::I8 => typed::<i8>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::I16 => typed::<i16>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::U16 => typed::<u16>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::U32 => typed::<u32>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::U64 => typed::<u64>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::Bool => native::apply_bool(op, dst, src),
+        // A complex sum is the sum of the real and imaginary parts (op.check allows no other).
+        DType::C64 => typed::<f32>(dst, src, |d, s| native::apply(op, d, s)),
+        DType::C128 => typed::<f64>(dst, src, |d, s| native::apply(op, d, s)),
         DType::F16 => typed::<f16>(dst, src, |d, s| half_float::apply_f16(op, d, s)),
         DType::BF16 => typed::<bf16>(dst, src, |d, s| half_float::apply_bf16(op, d, s)),
+        DType::F8E4M3 | DType::F8E5M2 | DType::F8E4M3Uz | DType::F8E5M2Uz => {
+            unreachable!("op.check refuses to reduce 8-bit floats")
+        }
     }
     Ok(())
 }
@@ -48,8 +61,8 @@ pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Re
 /// Divides every element by `n`, finishing an `Avg` reduction (floating dtypes only).
 pub fn finish_avg(dtype: DType, buf: &mut [u8], n: usize) -> Result<()> {
     match dtype {
-        DType::F32 => typed_unary::<f32>(buf, |b| native::divide(b, n as f32)),
-        DType::F64 => typed_unary::<f64>(buf, |b| native::divide(b, n as f64)),
+        DType::F32 | DType::C64 => typed_unary::<f32>(buf, |b| native::divide(b, n as f32)),
+        DType::F64 | DType::C128 => typed_unary::<f64>(buf, |b| native::divide(b, n as f64)),
         DType::F16 => typed_unary::<f16>(buf, |b| half_float::divide_f16(b, n as f32)),
         DType::BF16 => typed_unary::<bf16>(buf, |b| half_float::divide_bf16(b, n as f32)),
         _ => return ReduceOp::Avg.check(dtype),
@@ -109,6 +122,87 @@ mod tests {
 
     fn bytes<T: Pod>(v: &[T]) -> Vec<u8> {
         bytemuck::cast_slice(v).to_vec()
+    }
+
+    #[test]
+    fn narrow_and_unsigned_integers_wrap_like_torch() {
+        let mut d = bytes(&[127i8, -128, 5]);
+        reduce_into(DType::I8, ReduceOp::Sum, &mut d, &bytes(&[1i8, -1, -7])).expect("i8");
+        assert_eq!(d, bytes(&[-128i8, 127, -2]));
+        let mut d = bytes(&[300i16, -2]);
+        reduce_into(DType::I16, ReduceOp::Prod, &mut d, &bytes(&[300i16, 7])).expect("i16");
+        assert_eq!(d, bytes(&[300i16.wrapping_mul(300), -14]));
+        let mut d = bytes(&[u16::MAX, 3]);
+        reduce_into(DType::U16, ReduceOp::Sum, &mut d, &bytes(&[1u16, 4])).expect("u16");
+        assert_eq!(d, bytes(&[0u16, 7]));
+        let mut d = bytes(&[7u32, u32::MAX]);
+        reduce_into(DType::U32, ReduceOp::Min, &mut d, &bytes(&[9u32, 1])).expect("u32");
+        assert_eq!(d, bytes(&[7u32, 1]));
+        let mut d = bytes(&[1u64 << 63, 2]);
+        reduce_into(DType::U64, ReduceOp::Max, &mut d, &bytes(&[1u64, 3])).expect("u64");
+        assert_eq!(d, bytes(&[1u64 << 63, 3]));
+    }
+
+    #[test]
+    fn bools_sum_and_max_as_or_prod_and_min_as_and() {
+        let (a, b) = ([0u8, 0, 1, 1], [0u8, 1, 0, 2]);
+        for (op, want) in [
+            (ReduceOp::Sum, [0u8, 1, 1, 1]),
+            (ReduceOp::Max, [0, 1, 1, 1]),
+            (ReduceOp::Prod, [0, 0, 0, 1]),
+            (ReduceOp::Min, [0, 0, 0, 1]),
+        ] {
+            let mut d = a.to_vec();
+            reduce_into(DType::Bool, op, &mut d, &b).expect("bool");
+            assert_eq!(d, want, "{op}");
+        }
+        assert!(ReduceOp::Avg.check(DType::Bool).is_err());
+    }
+
+    #[test]
+    fn complex_sums_and_averages_part_by_part_and_nothing_else() {
+        let mut d = bytes(&[1.0f32, -2.0, 0.5, 4.0]);
+        reduce_into(
+            DType::C64,
+            ReduceOp::Sum,
+            &mut d,
+            &bytes(&[3.0f32, 1.0, 0.5, -4.0]),
+        )
+        .expect("c64");
+        assert_eq!(d, bytes(&[4.0f32, -1.0, 1.0, 0.0]));
+        finish_avg(DType::C64, &mut d, 2).expect("avg");
+        assert_eq!(d, bytes(&[2.0f32, -0.5, 0.5, 0.0]));
+        let mut d = bytes(&[1.0f64, 2.0]);
+        reduce_into(DType::C128, ReduceOp::Sum, &mut d, &bytes(&[0.25f64, -2.0])).expect("c128");
+        assert_eq!(d, bytes(&[1.25f64, 0.0]));
+        for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Prod] {
+            let err = reduce_into(DType::C64, op, &mut vec![0; 8], &[0; 8]);
+            assert!(matches!(err, Err(Error::InvalidArgument(_))), "{op}");
+        }
+    }
+
+    #[test]
+    fn eight_bit_floats_are_moved_never_reduced() {
+        for dtype in [
+            DType::F8E4M3,
+            DType::F8E5M2,
+            DType::F8E4M3Uz,
+            DType::F8E5M2Uz,
+        ] {
+            let err = reduce_into(dtype, ReduceOp::Sum, &mut [1u8; 4], &[2u8; 4]);
+            assert!(matches!(err, Err(Error::InvalidArgument(_))), "{dtype}");
+            let mut d = [1u8; 4];
+            reduce_into(dtype, ReduceOp::None, &mut d, &[9u8; 4]).expect("moved");
+            assert_eq!(d, [9u8; 4]);
+        }
+    }
+
+    #[test]
+    fn every_dtype_name_and_code_round_trips() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_name(d.name()).expect("name"), d);
+            assert_eq!(DType::from_code(d as u8), Some(d));
+        }
     }
 
     #[test]

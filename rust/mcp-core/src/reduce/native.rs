@@ -1,4 +1,4 @@
-//! Kernels for the types the CPU adds natively: f32, f64, i32, i64, u8.
+//! Kernels for the types the CPU adds natively: f32, f64 and the integers.
 
 use crate::dtype::ReduceOp;
 
@@ -74,6 +74,26 @@ float_elem!(f64);
 int_elem!(i32);
 int_elem!(i64);
 int_elem!(u8);
+int_elem!(i8);
+int_elem!(i16);
+int_elem!(u16);
+int_elem!(u32);
+int_elem!(u64);
+
+/// Booleans as bytes (any non-zero is true, results are 0 or 1): sum and max are "or", prod
+/// and min are "and", as torch's Gloo backend reduces them.
+pub(crate) fn apply_bool(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    let pairs = dst.iter_mut().zip(src);
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max => {
+            pairs.for_each(|(d, s)| *d = u8::from(*d != 0 || *s != 0))
+        }
+        ReduceOp::Prod | ReduceOp::Min => {
+            pairs.for_each(|(d, s)| *d = u8::from(*d != 0 && *s != 0))
+        }
+        ReduceOp::None => pairs.for_each(|(d, s)| *d = *s),
+    }
+}
 
 #[inline(always)]
 fn apply_portable<T: Elem>(op: ReduceOp, dst: &mut [T], src: &[T]) {
