@@ -13,7 +13,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from . import _core
 from ._buffers import Buffer, view
 from .errors import GroupClosedError
-from .settings import Settings
+from .settings import Settings, env_int
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
 _ALGORITHMS = {"auto", "ring", "tree", "recursive_doubling", "rd"}
@@ -503,16 +503,6 @@ def _close_all() -> None:
             pass
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
-
-
 def init(
     rank: int | None = None,
     world_size: int | None = None,
@@ -556,8 +546,8 @@ def init(
     as ``PeerStalledError`` on every rank.
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
-    rank = rank if rank is not None else _env_int("RANK")
-    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+    rank = rank if rank is not None else env_int("RANK")
+    world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
     if rank is None and world_size is None:
         rank, world_size = 0, 1
     if rank is None or world_size is None:
@@ -566,7 +556,7 @@ def init(
         )
     master_addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
     if master_port is None:
-        master_port = _env_int("MASTER_PORT") or 29500
+        master_port = env_int("MASTER_PORT") or 29500
     settings = Settings.resolve(
         secret=secret,
         timeout=timeout,

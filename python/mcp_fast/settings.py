@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "env_int"]
 
 
 def _env_float(name: str) -> float | None:
@@ -38,7 +38,8 @@ def _env_float(name: str) -> float | None:
         raise ValueError(f"environment variable {name}={v!r} is not a number") from None
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
+    """The integer environment variable ``name``; ``None`` when unset or empty."""
     v = os.environ.get(name)
     if v is None or v == "":
         return None
@@ -97,10 +98,10 @@ class Settings:
             heartbeat=float(_first(heartbeat, _env_float("MCP_HEARTBEAT"), 5.0)),
             chaos=str(chaos) if chaos is not None else None,
             lane=_first(lane, os.environ.get("MCP_LANE") or None, "auto"),
-            resend_limit=int(_first(resend_limit, _env_int("MCP_RESEND_LIMIT"), 8)),
+            resend_limit=int(_first(resend_limit, env_int("MCP_RESEND_LIMIT"), 8)),
             stall_timeout=float(_first(stall_timeout, _env_float("MCP_STALL_TIMEOUT"), 60.0)),
             allow_generated_secret=bool(
-                _first(allow_generated_secret, _env_int("MCP_ALLOW_GENERATED_SECRET"), 0)
+                _first(allow_generated_secret, env_int("MCP_ALLOW_GENERATED_SECRET"), 0)
             ),
         )
 
