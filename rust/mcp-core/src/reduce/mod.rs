@@ -176,7 +176,7 @@ mod tests {
         reduce_into(DType::C128, ReduceOp::Sum, &mut d, &bytes(&[0.25f64, -2.0])).expect("c128");
         assert_eq!(d, bytes(&[1.25f64, 0.0]));
         for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Prod] {
-            let err = reduce_into(DType::C64, op, &mut vec![0; 8], &[0; 8]);
+            let err = reduce_into(DType::C64, op, &mut [0u8; 8], &[0; 8]);
             assert!(matches!(err, Err(Error::InvalidArgument(_))), "{op}");
         }
     }
