@@ -30,7 +30,9 @@ def test_bad_arguments_are_refused_before_sending(solo: mcp.Group) -> None:
     with pytest.raises(ValueError, match="read-only"):
         solo.all_reduce(ro)
     with pytest.raises(TypeError, match="not supported"):
-        solo.all_reduce(np.zeros(4, "complex64"))
+        solo.all_reduce(np.zeros(4, "longdouble"))
+    with pytest.raises(ValueError, match="complex"):
+        solo.all_reduce(np.zeros(4, "complex64"), op="max")
     with pytest.raises(TypeError, match=r"numpy\.ndarray or a torch\.Tensor"):
         solo.all_reduce([1.0, 2.0])
     with pytest.raises(ValueError, match="unsupported op"):

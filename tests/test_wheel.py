@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import mcp_fast as mcp
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,5 +42,5 @@ def test_wheel_builds_and_installs_into_a_clean_venv(tmp_path: Path) -> None:
     out = subprocess.run(
         [py, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True, timeout=120
     )
-    assert out.stdout.split() == ["0.1.0", "1.0"]
+    assert out.stdout.split() == ["0.1.0", mcp.PROTOCOL_VERSION]
     assert (env_dir / "bin" / "mcp-ckpt").exists()
