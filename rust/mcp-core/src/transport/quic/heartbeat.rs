@@ -94,6 +94,13 @@ pub(super) async fn monitor(
     let mut last_seen = Instant::now();
     let tick = (interval / 4).max(Duration::from_millis(20));
     let mut reported: Option<(crate::health::Progress, Instant)> = None;
+    // A report on its way, in a task of its own: cancelling a write half-way would leave the
+    // peer a truncated frame.
+    let mut sending: Option<(
+        crate::health::Progress,
+        Instant,
+        tokio::task::JoinHandle<bool>,
+    )> = None;
     loop {
         tokio::time::sleep(tick).await;
         if conn.close_reason().is_some() {
@@ -104,19 +111,28 @@ pub(super) async fn monitor(
             return;
         }
         let now = Instant::now();
+        if sending.as_ref().is_some_and(|(_, _, h)| h.is_finished()) {
+            if let Some((r, at, h)) = sending.take() {
+                if matches!(h.await, Ok(true)) {
+                    reported = Some((r, at));
+                }
+            }
+        }
         let mine = t.progress_watch().local();
-        let due = match reported {
-            None => true,
-            Some((r, at)) => r != mine || now.duration_since(at) >= interval,
-        };
+        let due = sending.is_none()
+            && match reported {
+                None => true,
+                Some((r, at)) => r != mine || now.duration_since(at) >= interval,
+            };
         if due {
             let payload = mine.to_bytes();
             let header = rendezvous::progress_header(&t, &payload);
-            // Bounded: a report that cannot leave now is replaced by the next one.
-            let sent = tokio::time::timeout(tick, t.write_frame(peer, &conn, &header, &payload));
-            if matches!(sent.await, Ok(Ok(()))) {
-                reported = Some((mine, now));
-            }
+            let (me, conn) = (me.clone(), conn.clone());
+            let h = tokio::spawn(async move {
+                let Some(t) = me.upgrade() else { return false };
+                t.write_frame(peer, &conn, &header, &payload).await.is_ok()
+            });
+            sending = Some((mine, now, h));
         }
         // Reports come at least every interval: three missed ones is no longer "reachable".
         let stall = t.progress_watch().check(peer, now, 3 * interval);
