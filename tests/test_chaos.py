@@ -39,22 +39,17 @@ def test_frames_damaged_past_the_resend_limit_fail_the_operation_on_every_rank()
     assert any("8 resends did not repair it" in f.message for f in fails), fails
 
 
-@pytest.mark.parametrize("lane", ["stream", "fec"])
-def test_damaged_and_lost_frames_heal_and_every_result_is_exact(lane: str) -> None:
+def test_damaged_and_lost_frames_heal_and_every_result_is_exact() -> None:
     # The job of the healing issue: 3 ranks, 20 % loss and 1 % of the frames damaged above
-    # QUIC, given to plain programs through the environment.
-    env = {"MCP_CHAOS": "loss=0.2,corrupt=0.01,seed=7", "MCP_LANE": lane}
+    # QUIC, given to a plain program through the environment, on the stream lane (the FEC
+    # lane's run of the same faults is tests/test_lanes.py's forced-FEC test).
+    env = {"MCP_CHAOS": "loss=0.2,corrupt=0.01,seed=7", "MCP_LANE": "stream"}
     results = ok(run("healed", 3, 30, timeout=240, env=env))
-    assert all(out["lane"] == lane for out in results)
+    assert all(out["lane"] == "stream" for out in results)
     resent = sum(out["stats"]["retransmits"] for out in results)
     damaged = sum(out["stats"]["corrupt_frames"] for out in results)
-    if lane == "stream":
-        # Every damaged frame failed its checksum at the receiver and was sent again.
-        assert resent > 0 and resent == damaged, results
-    else:
-        # Damaged shards are erasures that the code repairs: no whole frame failed.
-        assert damaged == 0 and resent == 0, results
-        assert all(out["lane_stats"]["frames_received"] > 0 for out in results)
+    # Every damaged frame failed its checksum at the receiver and was sent again.
+    assert resent > 0 and resent == damaged, results
 
 
 @pytest.mark.parametrize("lane", ["stream", "fec"])
