@@ -28,25 +28,23 @@ from typing import Any
 __all__ = ["Settings", "env_int"]
 
 
-def _env_float(name: str) -> float | None:
+def _env(name: str, parse: Any, what: str) -> Any:
     v = os.environ.get(name)
     if v is None or v == "":
         return None
     try:
-        return float(v)
+        return parse(v)
     except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not a number") from None
+        raise ValueError(f"environment variable {name}={v!r} is not {what}") from None
+
+
+def _env_float(name: str) -> float | None:
+    return _env(name, float, "a number")
 
 
 def env_int(name: str) -> int | None:
     """The integer environment variable ``name``; ``None`` when unset or empty."""
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+    return _env(name, int, "an integer")
 
 
 def _first(*values: Any) -> Any:

@@ -655,6 +655,21 @@ async fn a_killed_rank_is_a_lost_peer_for_every_survivor() {
     }
 }
 
+/// Sum-all-reduces rank `r`'s `n`-element float32 input with the ring algorithm.
+async fn ring_sum_f32(g: Group<MemTransport>, r: usize, n: usize) -> Result<Vec<u8>, Error> {
+    let shape = vec![n as u64];
+    let mut buf = input(DType::F32, ReduceOp::Sum, r, n, 0);
+    // SAFETY: `buf` outlives the awaited operation.
+    let t = Tensor {
+        buf: unsafe { RawBuf::from_slice(&mut buf) },
+        dtype: DType::F32,
+        shape: &shape,
+        codec: Codec::None,
+    };
+    g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await?;
+    Ok(buf)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damaged_frames_are_resent_and_every_result_stays_exact() {
     // One frame in ten damaged: every damaged copy fails its checksum and is sent again.
@@ -689,21 +704,7 @@ async fn damaged_frames_are_resent_and_every_result_stays_exact() {
     let handles: Vec<_> = ts
         .iter()
         .enumerate()
-        .map(|(r, t)| {
-            let g = Group::new(t.clone(), cfg());
-            tokio::spawn(async move {
-                let shape = vec![20_000u64];
-                let mut buf = input(DType::F32, ReduceOp::Sum, r, 20_000, 0);
-                // SAFETY: `buf` outlives the awaited operation.
-                let t = Tensor {
-                    buf: unsafe { RawBuf::from_slice(&mut buf) },
-                    dtype: DType::F32,
-                    shape: &shape,
-                    codec: Codec::None,
-                };
-                g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
-            })
-        })
+        .map(|(r, t)| tokio::spawn(ring_sum_f32(Group::new(t.clone(), cfg()), r, 20_000)))
         .collect();
     for h in handles {
         h.await.expect("join").expect("all-reduce heals");
@@ -720,19 +721,7 @@ async fn frames_damaged_past_the_resend_limit_fail_with_the_count_never_used() {
     });
     let mut c = cfg();
     c.timeout = Duration::from_secs(5);
-    let results = run_world(3, chaos, c, |g, r| async move {
-        let shape = vec![1000u64];
-        let mut buf = input(DType::F32, ReduceOp::Sum, r, 1000, 0);
-        // SAFETY: `buf` outlives the awaited operation.
-        let t = Tensor {
-            buf: unsafe { RawBuf::from_slice(&mut buf) },
-            dtype: DType::F32,
-            shape: &shape,
-            codec: Codec::None,
-        };
-        g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await
-    })
-    .await;
+    let results = run_world(3, chaos, c, |g, r| ring_sum_f32(g, r, 1000)).await;
     let limit = crate::transport::DEFAULT_RESEND_LIMIT;
     let mut named = 0;
     for (r, res) in results.into_iter().enumerate() {
