@@ -18,6 +18,7 @@ pub mod error;
 pub mod fec;
 pub mod group;
 pub mod health;
+pub mod membership;
 pub mod ps;
 pub mod reduce;
 pub mod transport;

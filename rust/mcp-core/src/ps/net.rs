@@ -2,18 +2,13 @@
 //! framed message per direction on a bidirectional stream.
 
 use crate::error::{Error, Result};
-use crate::transport::quic::chaos::{ChaosConfig, ChaosStats};
+use crate::transport::quic::chaos::ChaosConfig;
 use crate::transport::quic::endpoint;
-use crate::transport::quic::tls::Identity;
-use crate::transport::quic::QuicConfig;
 use crate::wire::{Codec, FrameKind, Header, ModelSpec, HEADER_FIXED, PROTOCOL_MINOR};
 use crate::{DType, ReduceOp};
 use bytes::Bytes;
-use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn::{Endpoint, RecvStream, SendStream, VarInt};
+use quinn::{RecvStream, SendStream};
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// ALPN of the parameter-server protocol.
@@ -32,13 +27,7 @@ pub(crate) const MAX_DATA: u64 = 1 << 30;
 /// Requests in flight per connection.
 const MAX_STREAMS: u32 = 4096;
 
-/// A bound endpoint and what goes with it.
-pub(crate) struct Bound {
-    pub endpoint: Endpoint,
-    pub client: quinn::ClientConfig,
-    pub kill: Arc<AtomicBool>,
-    pub chaos: Option<Arc<ChaosStats>>,
-}
+pub(crate) use crate::transport::quic::endpoint::ControlEndpoint as Bound;
 
 /// Binds `addr` and makes an endpoint that accepts connections when `serve`. A connection
 /// silent for `dead_after` is closed (QUIC pings every quarter of it keep live ones open).
@@ -49,40 +38,7 @@ pub(crate) fn bind(
     dead_after: Duration,
     chaos: Option<ChaosConfig>,
 ) -> Result<Bound> {
-    let id = Identity::from_secret(secret)?;
-    let sock = endpoint::bind_socket(addr, false)?;
-    let mut qc = QuicConfig::new(0, 1, addr);
-    qc.idle_timeout = dead_after;
-    qc.heartbeat = dead_after / 4;
-    let transport = || -> Result<Arc<quinn::TransportConfig>> {
-        let mut t = endpoint::transport_config(&qc, &sock)?;
-        t.max_concurrent_bidi_streams(VarInt::from_u32(MAX_STREAMS));
-        t.max_concurrent_uni_streams(VarInt::from_u32(0));
-        Ok(Arc::new(t))
-    };
-    let tls = id.client_config(vec![alpn()])?;
-    let quic = QuicClientConfig::try_from(tls)
-        .map_err(|e| Error::Io(format!("QUIC client config: {e}")))?;
-    let mut client = quinn::ClientConfig::new(Arc::new(quic));
-    client.transport_config(transport()?);
-    let server = if serve {
-        let tls = id.server_config(vec![alpn()])?;
-        let quic = QuicServerConfig::try_from(tls)
-            .map_err(|e| Error::Io(format!("QUIC server config: {e}")))?;
-        let mut s = quinn::ServerConfig::with_crypto(Arc::new(quic));
-        s.transport_config(transport()?);
-        Some(s)
-    } else {
-        None
-    };
-    let kill = Arc::new(AtomicBool::new(false));
-    let (endpoint, chaos) = endpoint::endpoint(sock, server, chaos, kill.clone())?;
-    Ok(Bound {
-        endpoint,
-        client,
-        kill,
-        chaos,
-    })
+    endpoint::control_endpoint(addr, secret, serve, dead_after, chaos, alpn(), MAX_STREAMS)
 }
 
 /// The header and metadata of a message; the data section is still on the stream.

@@ -226,3 +226,65 @@ pub(crate) fn negotiated_alpn(conn: &Connection) -> Option<Vec<u8>> {
         .ok()?
         .protocol
 }
+
+/// A bound endpoint of a request/answer protocol (the parameter server, the membership
+/// coordinator), and what goes with it.
+pub(crate) struct ControlEndpoint {
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// Its client side.
+    pub client: quinn::ClientConfig,
+    /// Set to drop every datagram (fault injection).
+    pub kill: Arc<std::sync::atomic::AtomicBool>,
+    /// The fault injector's counters, when there is one.
+    pub chaos: Option<Arc<super::chaos::ChaosStats>>,
+}
+
+/// Binds `addr` for a request/answer protocol with the job's mutual TLS and ALPN `alpn`,
+/// accepting connections when `serve`, with up to `max_streams` requests in flight per
+/// connection. A connection silent for `dead_after` is closed (QUIC pings every quarter of
+/// it keep live ones open).
+pub(crate) fn control_endpoint(
+    addr: SocketAddr,
+    secret: &[u8],
+    serve: bool,
+    dead_after: Duration,
+    chaos: Option<super::chaos::ChaosConfig>,
+    alpn: Vec<u8>,
+    max_streams: u32,
+) -> Result<ControlEndpoint> {
+    let id = Identity::from_secret(secret)?;
+    let sock = bind_socket(addr, false)?;
+    let mut qc = QuicConfig::new(0, 1, addr);
+    qc.idle_timeout = dead_after;
+    qc.heartbeat = dead_after / 4;
+    let transport = || -> Result<Arc<TransportConfig>> {
+        let mut t = transport_config(&qc, &sock)?;
+        t.max_concurrent_bidi_streams(VarInt::from_u32(max_streams));
+        t.max_concurrent_uni_streams(VarInt::from_u32(0));
+        Ok(Arc::new(t))
+    };
+    let tls = id.client_config(vec![alpn.clone()])?;
+    let quic = QuicClientConfig::try_from(tls)
+        .map_err(|e| Error::Io(format!("QUIC client config: {e}")))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(quic));
+    client.transport_config(transport()?);
+    let server = if serve {
+        let tls = id.server_config(vec![alpn])?;
+        let quic = QuicServerConfig::try_from(tls)
+            .map_err(|e| Error::Io(format!("QUIC server config: {e}")))?;
+        let mut s = quinn::ServerConfig::with_crypto(Arc::new(quic));
+        s.transport_config(transport()?);
+        Some(s)
+    } else {
+        None
+    };
+    let kill = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (endpoint, chaos) = endpoint(sock, server, chaos, kill.clone())?;
+    Ok(ControlEndpoint {
+        endpoint,
+        client,
+        kill,
+        chaos,
+    })
+}

@@ -1,0 +1,406 @@
+//! A member's side of the membership protocol: it registers with the coordinator (again on
+//! every new connection, with the epoch it runs in, from which a restarted coordinator
+//! rebuilds its state), heartbeats from a task of its own, and waits for epochs.
+//!
+//! When a heartbeat's answer says the epoch this member runs in is over (a member died or
+//! left, or this one was expelled), the abort hook installed with [`MemberClient::watch`]
+//! runs at once, so that a collective blocked on a dead peer fails now rather than at the
+//! data plane's own failure detector.
+
+use super::coordinator::Beat;
+use super::server::alpn;
+use super::wire::{Reply, Request, MAX_BODY};
+use super::{Epoch, MemberId, Step, NO_STATE};
+use crate::backoff::Backoff;
+use crate::error::{Error, Result};
+use crate::transport::quic::{endpoint, map_conn_error, tls};
+use quinn::{Connection, Endpoint};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A member's settings.
+#[derive(Debug, Clone)]
+pub struct MemberConfig {
+    /// The coordinator's address.
+    pub coordinator: SocketAddr,
+    /// The job secret.
+    pub secret: Vec<u8>,
+    /// This process's id (random; see [`MemberId`]).
+    pub id: MemberId,
+    /// Names, dtypes and shapes of its training state, `;`-separated.
+    pub spec: String,
+    /// Interval between heartbeats (the coordinator's `dead_after` should be about 5 of them).
+    pub heartbeat: Duration,
+    /// How long [`MemberClient::connect`] tries to reach the coordinator.
+    pub connect_timeout: Duration,
+}
+
+/// Runs once when the watched epoch ends.
+pub type AbortHook = Box<dyn FnOnce() + Send>;
+
+struct Watch {
+    epoch: u64,
+    hook: Option<AbortHook>,
+}
+
+struct Inner {
+    cfg: MemberConfig,
+    endpoint: Endpoint,
+    client_cfg: quinn::ClientConfig,
+    conn: tokio::sync::Mutex<Option<Connection>>,
+    view: Mutex<Option<Epoch>>,
+    step: AtomicI64,
+    beat: Mutex<Option<Beat>>,
+    watch: Mutex<Option<Watch>>,
+    closed: AtomicBool,
+    beats: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+/// A member's connection to the coordinator.
+#[derive(Clone)]
+pub struct MemberClient {
+    inner: Arc<Inner>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl MemberClient {
+    /// Reaches the coordinator and registers; starts the heartbeats. Fails with
+    /// `Authentication` for another job secret, `SpecMismatch` for a training state that is
+    /// not the job's, `Timeout` when the coordinator cannot be reached.
+    pub async fn connect(cfg: MemberConfig) -> Result<MemberClient> {
+        if cfg.heartbeat.is_zero() {
+            return Err(Error::InvalidArgument("heartbeat must be positive".into()));
+        }
+        let ip = endpoint::local_ip_towards(cfg.coordinator)?;
+        let b = endpoint::control_endpoint(
+            SocketAddr::new(ip, 0),
+            &cfg.secret,
+            false,
+            Duration::from_secs(10),
+            None,
+            alpn(),
+            16,
+        )?;
+        let c = MemberClient {
+            inner: Arc::new(Inner {
+                endpoint: b.endpoint,
+                client_cfg: b.client,
+                conn: tokio::sync::Mutex::new(None),
+                view: Mutex::new(None),
+                step: AtomicI64::new(NO_STATE),
+                beat: Mutex::new(None),
+                watch: Mutex::new(None),
+                closed: AtomicBool::new(false),
+                beats: AtomicU64::new(0),
+                reconnects: AtomicU64::new(0),
+                cfg,
+            }),
+        };
+        let deadline = Instant::now() + c.inner.cfg.connect_timeout;
+        c.connection(deadline).await?;
+        tokio::spawn(heartbeats(Arc::downgrade(&c.inner)));
+        Ok(c)
+    }
+
+    /// This member's id.
+    pub fn id(&self) -> MemberId {
+        self.inner.cfg.id
+    }
+
+    /// Records the steps committed (sent with every heartbeat).
+    pub fn set_step(&self, step: Step) {
+        self.inner.step.store(step, Ordering::Release);
+    }
+
+    /// The last heartbeat answer.
+    pub fn beat(&self) -> Option<Beat> {
+        *lock(&self.inner.beat)
+    }
+
+    /// Heartbeats answered, and connections made again after one broke.
+    pub fn counters(&self) -> (u64, u64) {
+        (
+            self.inner.beats.load(Ordering::Relaxed),
+            self.inner.reconnects.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Runs `hook` once the coordinator says `epoch` is over (at once if it already said so).
+    pub fn watch(&self, epoch: u64, hook: AbortHook) {
+        let ended = self.beat().is_some_and(|b| b.ends(epoch));
+        if ended {
+            hook();
+            return;
+        }
+        *lock(&self.inner.watch) = Some(Watch {
+            epoch,
+            hook: Some(hook),
+        });
+    }
+
+    /// Removes the abort hook.
+    pub fn unwatch(&self) {
+        lock(&self.inner.watch).take();
+    }
+
+    /// Forgets the epoch this member ran in (it was expelled: it will rejoin as new).
+    pub fn forget_view(&self) {
+        lock(&self.inner.view).take();
+    }
+
+    /// Waits until the coordinator forms an epoch newer than `seen` with this member in it;
+    /// `step` is what this member has ([`NO_STATE`] for nothing). Retries through a
+    /// coordinator that is down or restarting, until `timeout`.
+    pub async fn report(&self, seen: u64, step: Step, timeout: Duration) -> Result<Epoch> {
+        let deadline = Instant::now() + timeout;
+        self.set_step(step);
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "waiting for the coordinator at {} to admit this member to a new epoch (are there enough members? is the coordinator up?)",
+                        self.inner.cfg.coordinator
+                    ),
+                    after: timeout,
+                });
+            }
+            let wait_ms = left.min(Duration::from_secs(2)).as_millis() as u32;
+            let req = Request::Report {
+                id: self.id(),
+                seen,
+                step,
+                wait_ms,
+            };
+            match self.request(&req, deadline).await {
+                Ok(Reply::Formed(e)) => {
+                    *lock(&self.inner.view) = Some(e.clone());
+                    return Ok(e);
+                }
+                Ok(Reply::Waiting | Reply::Unknown) => {}
+                Ok(Reply::Refused(why)) => return Err(Error::SpecMismatch(why)),
+                Ok(other) => return Err(unexpected("report", &other)),
+                Err(e @ (Error::Authentication { .. } | Error::SpecMismatch(_))) => return Err(e),
+                Err(_) => tokio::time::sleep(backoff.next_delay()).await,
+            }
+        }
+    }
+
+    /// Rank 0 of `epoch` tells where it listens. `false`: the epoch was superseded.
+    pub async fn publish_master(
+        &self,
+        epoch: u64,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let req = Request::PublishMaster {
+            id: self.id(),
+            epoch,
+            addr: addr.to_string(),
+        };
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+        loop {
+            match self.request(&req, deadline).await {
+                Ok(Reply::Ok) => return Ok(true),
+                Ok(Reply::Superseded) => return Ok(false),
+                Ok(other) => return Err(unexpected("publish", &other)),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => tokio::time::sleep(backoff.next_delay()).await,
+            }
+        }
+    }
+
+    /// Where rank 0 of `epoch` listens; `None` once the epoch was superseded.
+    pub async fn master(&self, epoch: u64, timeout: Duration) -> Result<Option<String>> {
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    what: format!("waiting for rank 0 of epoch {epoch} to publish its address"),
+                    after: timeout,
+                });
+            }
+            let req = Request::Master {
+                epoch,
+                wait_ms: left.min(Duration::from_secs(2)).as_millis() as u32,
+            };
+            match self.request(&req, deadline).await {
+                Ok(Reply::MasterAt(a)) => return Ok(Some(a)),
+                Ok(Reply::Superseded) => return Ok(None),
+                Ok(Reply::Waiting) => {}
+                Ok(other) => return Err(unexpected("master", &other)),
+                Err(_) => tokio::time::sleep(backoff.next_delay()).await,
+            }
+        }
+    }
+
+    /// Leaves the job (best effort) and stops the heartbeats.
+    pub async fn leave(&self) {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let _ = self
+            .request(&Request::Leave { id: self.id() }, deadline)
+            .await;
+        self.inner
+            .endpoint
+            .close(quinn::VarInt::from_u32(0), b"member left");
+    }
+
+    async fn connection(&self, deadline: Instant) -> Result<Connection> {
+        let mut g = self.inner.conn.lock().await;
+        if let Some(c) = g.as_ref() {
+            if c.close_reason().is_none() {
+                return Ok(c.clone());
+            }
+            self.inner.reconnects.fetch_add(1, Ordering::Relaxed);
+        }
+        *g = None;
+        let addr = self.inner.cfg.coordinator;
+        let who = format!("coordinator at {addr}");
+        let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
+        loop {
+            let attempt = async {
+                let conn = self
+                    .inner
+                    .endpoint
+                    .connect_with(self.inner.client_cfg.clone(), addr, tls::SERVER_NAME)
+                    .map_err(|e| Error::Io(format!("cannot connect to {who}: {e}")))?
+                    .await
+                    .map_err(|e| map_conn_error(&e, usize::MAX, &who, "connect"))?;
+                let view = lock(&self.inner.view).clone();
+                let reg = Request::Register {
+                    id: self.id(),
+                    spec: self.inner.cfg.spec.clone(),
+                    view,
+                };
+                match exchange(&conn, &reg, &who).await? {
+                    Reply::Ok => Ok(conn),
+                    Reply::Refused(why) => Err(Error::SpecMismatch(why)),
+                    other => Err(unexpected("register", &other)),
+                }
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            let res = match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await
+            {
+                Ok(r) => r,
+                Err(_) => Err(Error::Timeout {
+                    what: format!("reaching the {who}"),
+                    after: self.inner.cfg.connect_timeout,
+                }),
+            };
+            match res {
+                Ok(conn) => {
+                    *g = Some(conn.clone());
+                    return Ok(conn);
+                }
+                Err(e @ (Error::Authentication { .. } | Error::SpecMismatch(_))) => return Err(e),
+                Err(e) => {
+                    let wait = backoff.next_delay();
+                    if Instant::now() + wait >= deadline {
+                        return Err(match e {
+                            Error::Timeout { .. } => e,
+                            other => Error::Timeout {
+                                what: format!("reaching the {who}: {other}"),
+                                after: self.inner.cfg.connect_timeout,
+                            },
+                        });
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+
+    async fn request(&self, req: &Request, deadline: Instant) -> Result<Reply> {
+        if self.inner.closed.load(Ordering::Acquire) && !matches!(req, Request::Leave { .. }) {
+            return Err(Error::Closed("the member left the job".into()));
+        }
+        let conn = self.connection(deadline).await?;
+        let who = format!("coordinator at {}", self.inner.cfg.coordinator);
+        let hold = match req {
+            Request::Report { wait_ms, .. } | Request::Master { wait_ms, .. } => {
+                Duration::from_millis(u64::from(*wait_ms))
+            }
+            _ => Duration::ZERO,
+        };
+        let limit = (deadline.saturating_duration_since(Instant::now()) + hold)
+            .max(Duration::from_millis(10));
+        match tokio::time::timeout(limit, exchange(&conn, req, &who)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => {
+                conn.close(quinn::VarInt::from_u32(0), b"request failed");
+                Err(e)
+            }
+            Err(_) => Err(Error::Timeout {
+                what: format!("an answer from the {who}"),
+                after: limit,
+            }),
+        }
+    }
+}
+
+async fn exchange(conn: &Connection, req: &Request, who: &str) -> Result<Reply> {
+    let (mut send, mut recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| map_conn_error(&e, usize::MAX, who, "request"))?;
+    send.write_all(&req.encode())
+        .await
+        .map_err(|e| Error::Io(format!("request to the {who}: {e}")))?;
+    let _ = send.finish();
+    let buf = recv
+        .read_to_end(MAX_BODY + 12)
+        .await
+        .map_err(|e| Error::Io(format!("answer from the {who}: {e}")))?;
+    Reply::decode(&buf)
+}
+
+fn unexpected(what: &str, r: &Reply) -> Error {
+    Error::Protocol(format!("the coordinator answered {what} with {r:?}"))
+}
+
+async fn heartbeats(inner: std::sync::Weak<Inner>) {
+    loop {
+        let (interval, client) = {
+            let Some(i) = inner.upgrade() else { return };
+            if i.closed.load(Ordering::Acquire) {
+                return;
+            }
+            (i.cfg.heartbeat, MemberClient { inner: i })
+        };
+        let started = Instant::now();
+        let req = Request::Heartbeat {
+            id: client.id(),
+            step: client.inner.step.load(Ordering::Acquire),
+        };
+        if let Ok(Reply::Beat(b)) = client.request(&req, started + interval * 2).await {
+            client.inner.beats.fetch_add(1, Ordering::Relaxed);
+            *lock(&client.inner.beat) = Some(b);
+            let hook = {
+                let mut w = lock(&client.inner.watch);
+                match w.as_mut() {
+                    Some(w) if b.ends(w.epoch) => w.hook.take(),
+                    _ => None,
+                }
+            };
+            if let Some(h) = hook {
+                h();
+            }
+        }
+        drop(client);
+        let spent = started.elapsed();
+        tokio::time::sleep(interval.saturating_sub(spent).max(Duration::from_millis(1))).await;
+    }
+}

@@ -1,0 +1,295 @@
+//! The coordinator's QUIC endpoint: the job's mutual TLS (a process with another secret is
+//! refused at the handshake), one request per bidirectional stream, the state machine of
+//! [`super::coordinator`] behind one lock, and a timer task that runs its timeouts.
+
+use super::coordinator::{Coordinator, CoordinatorConfig, Master, Readiness};
+use super::wire::{Reply, Request, MAX_BODY};
+use super::Epoch;
+use crate::error::{Error, Result};
+use crate::transport::quic::close_code;
+use crate::transport::quic::endpoint;
+use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// ALPN of the membership protocol.
+pub(crate) fn alpn() -> Vec<u8> {
+    format!(
+        "mcp-coord/{}.{}",
+        crate::wire::PROTOCOL_MAJOR,
+        crate::wire::PROTOCOL_MINOR
+    )
+    .into_bytes()
+}
+
+/// Longest a long-poll request may be held.
+const MAX_WAIT: Duration = Duration::from_secs(5);
+/// The timer task's longest sleep.
+const TICK: Duration = Duration::from_millis(50);
+/// QUIC's own idle limit on a member's connection (liveness is judged by heartbeats).
+const CONN_IDLE: Duration = Duration::from_secs(10);
+
+struct Inner {
+    sm: Mutex<Coordinator>,
+    /// Bumped on every change, to wake long polls.
+    version: watch::Sender<u64>,
+    closing: AtomicBool,
+    refused: AtomicU64,
+    requests: AtomicU64,
+}
+
+impl Inner {
+    fn sm(&self) -> std::sync::MutexGuard<'_, Coordinator> {
+        self.sm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+}
+
+/// A running coordinator.
+pub struct CoordinatorServer {
+    inner: Arc<Inner>,
+    endpoint: Endpoint,
+    addr: SocketAddr,
+}
+
+impl CoordinatorServer {
+    /// Binds `bind` (port 0 picks one) and serves members that hold `secret`.
+    pub fn start(
+        bind: SocketAddr,
+        secret: &[u8],
+        cfg: CoordinatorConfig,
+    ) -> Result<CoordinatorServer> {
+        if secret.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the coordinator needs the job secret (MCP_SECRET or --secret): members authenticate with it".into(),
+            ));
+        }
+        if cfg.dead_after < Duration::from_millis(10) {
+            return Err(Error::InvalidArgument(format!(
+                "dead_after {:?} is too short (at least 10 ms)",
+                cfg.dead_after
+            )));
+        }
+        let b = endpoint::control_endpoint(bind, secret, true, CONN_IDLE, None, alpn(), 1 << 16)?;
+        let addr = b.endpoint.local_addr()?;
+        let inner = Arc::new(Inner {
+            sm: Mutex::new(Coordinator::new(cfg, rand::random())),
+            version: watch::channel(0).0,
+            closing: AtomicBool::new(false),
+            refused: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+        });
+        tokio::spawn(accept_loop(inner.clone(), b.endpoint.clone()));
+        tokio::spawn(timer(Arc::downgrade(&inner)));
+        Ok(CoordinatorServer {
+            inner,
+            endpoint: b.endpoint,
+            addr,
+        })
+    }
+
+    /// The address members dial.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The latest epoch, if one formed.
+    pub fn current(&self) -> Option<Epoch> {
+        self.inner.sm().current().cloned()
+    }
+
+    /// Members believed alive.
+    pub fn live_members(&self) -> usize {
+        self.inner.sm().live_members()
+    }
+
+    /// Handshakes refused (another secret, no certificate).
+    pub fn refused_handshakes(&self) -> u64 {
+        self.inner.refused.load(Ordering::Relaxed)
+    }
+
+    /// Requests answered.
+    pub fn requests(&self) -> u64 {
+        self.inner.requests.load(Ordering::Relaxed)
+    }
+
+    /// Stops serving and releases the socket.
+    pub async fn close(&self) {
+        if self.inner.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.inner.bump();
+        self.endpoint
+            .close(VarInt::from_u32(close_code::GOODBYE), b"coordinator closed");
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+    }
+}
+
+impl Drop for CoordinatorServer {
+    fn drop(&mut self) {
+        self.inner.closing.store(true, Ordering::Release);
+        self.endpoint
+            .close(VarInt::from_u32(close_code::GOODBYE), b"coordinator closed");
+    }
+}
+
+async fn timer(inner: std::sync::Weak<Inner>) {
+    loop {
+        let wait = {
+            let Some(inner) = inner.upgrade() else { return };
+            if inner.closing.load(Ordering::Acquire) {
+                return;
+            }
+            let now = Instant::now();
+            let before = inner.sm().current().map(|e| e.number);
+            let next = {
+                let mut sm = inner.sm();
+                sm.handle_timeout(now);
+                sm.poll_timeout()
+            };
+            if inner.sm().current().map(|e| e.number) != before {
+                inner.bump();
+            }
+            next.map_or(TICK, |t| t.saturating_duration_since(now).min(TICK))
+        };
+        tokio::time::sleep(wait.max(Duration::from_millis(1))).await;
+    }
+}
+
+async fn accept_loop(inner: Arc<Inner>, endpoint: Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else {
+                inner.refused.fetch_add(1, Ordering::Relaxed);
+                return;
+            };
+            if conn.peer_identity().is_none() {
+                inner.refused.fetch_add(1, Ordering::Relaxed);
+                conn.close(
+                    VarInt::from_u32(close_code::AUTH_REQUIRED),
+                    b"a client certificate from the job CA is required",
+                );
+                return;
+            }
+            serve_conn(inner, conn).await;
+        });
+    }
+}
+
+async fn serve_conn(inner: Arc<Inner>, conn: Connection) {
+    while let Ok((send, recv)) = conn.accept_bi().await {
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let _ = handle_stream(&inner, send, recv).await;
+        });
+    }
+}
+
+async fn handle_stream(
+    inner: &Arc<Inner>,
+    mut send: SendStream,
+    mut recv: RecvStream,
+) -> Result<()> {
+    let buf = recv
+        .read_to_end(MAX_BODY + 12)
+        .await
+        .map_err(|e| Error::Protocol(format!("membership request: {e}")))?;
+    let reply = match Request::decode(&buf) {
+        Ok(req) => answer(inner, req).await,
+        Err(e) => Reply::Refused(e.to_string()),
+    };
+    inner.requests.fetch_add(1, Ordering::Relaxed);
+    send.write_all(&reply.encode())
+        .await
+        .map_err(|e| Error::Io(format!("membership reply: {e}")))?;
+    let _ = send.finish();
+    // Let the reply reach the member before the stream is dropped.
+    let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    Ok(())
+}
+
+async fn answer(inner: &Arc<Inner>, req: Request) -> Reply {
+    let now = Instant::now();
+    match req {
+        Request::Register { id, spec, view } => {
+            let r = inner.sm().register(now, id, &spec, view);
+            inner.bump();
+            match r {
+                Ok(()) => Reply::Ok,
+                Err(e) => Reply::Refused(e.to_string()),
+            }
+        }
+        Request::Heartbeat { id, step } => Reply::Beat(inner.sm().heartbeat(now, id, step)),
+        Request::Report {
+            id,
+            seen,
+            step,
+            wait_ms,
+        } => {
+            inner.sm().report(now, id, seen, step);
+            inner.bump();
+            long_poll(inner, wait_ms, || match inner.sm().readiness(id, seen) {
+                Readiness::Formed(e) => Some(Reply::Formed(e)),
+                Readiness::Waiting => None,
+                Readiness::Unknown => Some(Reply::Unknown),
+            })
+            .await
+            .unwrap_or(Reply::Waiting)
+        }
+        Request::PublishMaster { id, epoch, addr } => {
+            let ok = inner.sm().publish_master(id, epoch, addr);
+            inner.bump();
+            if ok {
+                Reply::Ok
+            } else {
+                Reply::Superseded
+            }
+        }
+        Request::Master { epoch, wait_ms } => {
+            long_poll(inner, wait_ms, || match inner.sm().master(epoch) {
+                Master::At(a) => Some(Reply::MasterAt(a)),
+                Master::Superseded => Some(Reply::Superseded),
+                Master::Pending => None,
+            })
+            .await
+            .unwrap_or(Reply::Waiting)
+        }
+        Request::Leave { id } => {
+            inner.sm().leave(now, id);
+            inner.bump();
+            Reply::Ok
+        }
+    }
+}
+
+/// Calls `check` until it answers, the coordinator changes being no longer worth waiting
+/// for (`wait_ms`, at most [`MAX_WAIT`]), or it closes.
+async fn long_poll(
+    inner: &Arc<Inner>,
+    wait_ms: u32,
+    check: impl Fn() -> Option<Reply>,
+) -> Option<Reply> {
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(u64::from(wait_ms)).min(MAX_WAIT);
+    let mut rx = inner.version.subscribe();
+    loop {
+        rx.mark_unchanged();
+        if let Some(r) = check() {
+            return Some(r);
+        }
+        if inner.closing.load(Ordering::Acquire) {
+            return None;
+        }
+        match tokio::time::timeout_at(deadline, rx.changed()).await {
+            Ok(Ok(())) => continue,
+            _ => return None,
+        }
+    }
+}
