@@ -6,11 +6,20 @@ when it is imported) registers the backend, after which::
     torch.distributed.init_process_group("mcp")      # under torchrun, or with store/rank/size
 
 runs every collective of torch.distributed, DistributedDataParallel included, over MCP.
+:class:`ElasticDDP` trains through members dying and joining (see :mod:`mcp_fast.elastic`).
 """
 
 from __future__ import annotations
 
 from .backend import MCPProcessGroup, register
+from .elastic import ElasticDDP, state_spec
 from .hooks import CompressionState, compression_hook
 
-__all__ = ["CompressionState", "MCPProcessGroup", "compression_hook", "register"]
+__all__ = [
+    "CompressionState",
+    "ElasticDDP",
+    "MCPProcessGroup",
+    "compression_hook",
+    "register",
+    "state_spec",
+]

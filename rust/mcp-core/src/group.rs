@@ -551,14 +551,16 @@ impl<T: Transport> Group<T> {
     }
 
     /// Cancels everything in flight now: every pending and later operation of this group
-    /// fails with `Closed` on this rank (its peers see it leave). For when a job must stop
-    /// without waiting for a collective that will not finish.
+    /// fails with `Closed` on this rank, and the connections are dropped at once, so that
+    /// the peers see it leave. For when a job must stop without waiting for a collective
+    /// that will not finish.
     pub fn abort(&self) {
         self.inner.closed.store(true, Ordering::Release);
         self.inner
             .t
             .mailbox()
             .close(Error::Closed("the group was aborted".into()));
+        self.inner.t.leave_now();
     }
 
     /// Marks the group closed (later calls fail), lets the aborts it owes its peers go out

@@ -15,7 +15,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
-fn seconds(name: &str, s: f64) -> PyResult<Duration> {
+pub(crate) fn seconds(name: &str, s: f64) -> PyResult<Duration> {
     if s > 0.0 && s.is_finite() {
         Ok(Duration::from_secs_f64(s))
     } else {
@@ -25,7 +25,7 @@ fn seconds(name: &str, s: f64) -> PyResult<Duration> {
     }
 }
 
-fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
+pub(crate) fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
     let addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
         .map_err(|e| PyValueError::new_err(format!("cannot resolve master address {host:?}: {e}")))?
@@ -136,7 +136,7 @@ pub fn codec_round_trip(
 /// The ranks of one job, connected over QUIC with mutual TLS.
 #[pyclass(module = "mcp_fast._core", frozen)]
 pub struct ProcessGroup {
-    group: Group<QuicTransport>,
+    pub(crate) group: Group<QuicTransport>,
 }
 
 impl ProcessGroup {
@@ -173,7 +173,7 @@ impl ProcessGroup {
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
                         heartbeat=5.0, lane=None, resend_limit=8,
-                        stall_timeout=60.0, allow_generated_secret=false))]
+                        stall_timeout=60.0, allow_generated_secret=false, epoch_of=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -195,6 +195,7 @@ impl ProcessGroup {
         resend_limit: u32,
         stall_timeout: f64,
         allow_generated_secret: bool,
+        epoch_of: Option<(PyRef<'_, crate::elastic::ElasticMember>, u64)>,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -246,8 +247,24 @@ impl ProcessGroup {
                 }),
             }
         };
+        // In an elastic job, the rendezvous of an epoch gives up as soon as the coordinator
+        // says the epoch is over (a member died before it joined).
+        let ended = epoch_of.map(|(m, e)| (m.client().clone(), e));
         let t = py
-            .detach(|| rt.block_on(QuicTransport::connect_with(cfg, publish)))
+            .detach(|| {
+                rt.block_on(async move {
+                    let connect = QuicTransport::connect_with(cfg, publish);
+                    match ended {
+                        None => connect.await,
+                        Some((client, epoch)) => tokio::select! {
+                            r = connect => r,
+                            () = client.ended(epoch) => Err(Error::Closed(format!(
+                                "epoch {epoch} ended before its group formed"
+                            ))),
+                        },
+                    }
+                })
+            })
             .map_err(|e| to_py(py, e))?;
         Ok(ProcessGroup {
             group: Group::new(t, gcfg),

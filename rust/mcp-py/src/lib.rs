@@ -2,6 +2,7 @@
 //! GIL for every operation, and maps core errors to Python exceptions; nothing else.
 
 mod delta;
+mod elastic;
 mod errors;
 mod group;
 mod health;
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::reduce_into, m)?)?;
     m.add_function(wrap_pyfunction!(group::codec_round_trip, m)?)?;
     delta::register(m)?;
+    elastic::register(m)?;
     health::register(m)?;
     ps::register(m)?;
     m.add("PROTOCOL_MAJOR", mcp_core::wire::PROTOCOL_MAJOR)?;

@@ -52,7 +52,7 @@ struct Inner {
     conn: tokio::sync::Mutex<Option<Connection>>,
     view: Mutex<Option<Epoch>>,
     step: AtomicI64,
-    beat: Mutex<Option<Beat>>,
+    beat: tokio::sync::watch::Sender<Option<Beat>>,
     watch: Mutex<Option<Watch>>,
     closed: AtomicBool,
     beats: AtomicU64,
@@ -94,7 +94,7 @@ impl MemberClient {
                 conn: tokio::sync::Mutex::new(None),
                 view: Mutex::new(None),
                 step: AtomicI64::new(NO_STATE),
-                beat: Mutex::new(None),
+                beat: tokio::sync::watch::channel(None).0,
                 watch: Mutex::new(None),
                 closed: AtomicBool::new(false),
                 beats: AtomicU64::new(0),
@@ -120,7 +120,15 @@ impl MemberClient {
 
     /// The last heartbeat answer.
     pub fn beat(&self) -> Option<Beat> {
-        *lock(&self.inner.beat)
+        *self.inner.beat.borrow()
+    }
+
+    /// Resolves once the coordinator says `epoch` is over: joining that epoch's group (its
+    /// rendezvous, the heal) is raced against it, so that a member dying during a change
+    /// sends the others to the next epoch at once.
+    pub async fn ended(&self, epoch: u64) {
+        let mut rx = self.inner.beat.subscribe();
+        let _ = rx.wait_for(|b| b.is_some_and(|b| b.ends(epoch))).await;
     }
 
     /// Heartbeats answered, and connections made again after one broke.
@@ -218,7 +226,8 @@ impl MemberClient {
         }
     }
 
-    /// Where rank 0 of `epoch` listens; `None` once the epoch was superseded.
+    /// Where rank 0 of `epoch` listens; `None` once the epoch is over (superseded, or ending
+    /// before rank 0 published).
     pub async fn master(&self, epoch: u64, timeout: Duration) -> Result<Option<String>> {
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
@@ -234,7 +243,11 @@ impl MemberClient {
                 epoch,
                 wait_ms: left.min(Duration::from_secs(2)).as_millis() as u32,
             };
-            match self.request(&req, deadline).await {
+            let answer = tokio::select! {
+                r = self.request(&req, deadline) => r,
+                () = self.ended(epoch) => return Ok(None),
+            };
+            match answer {
                 Ok(Reply::MasterAt(a)) => return Ok(Some(a)),
                 Ok(Reply::Superseded) => return Ok(None),
                 Ok(Reply::Waiting) => {}
@@ -387,7 +400,7 @@ async fn heartbeats(inner: std::sync::Weak<Inner>) {
         };
         if let Ok(Reply::Beat(b)) = client.request(&req, started + interval * 2).await {
             client.inner.beats.fetch_add(1, Ordering::Relaxed);
-            *lock(&client.inner.beat) = Some(b);
+            client.inner.beat.send_replace(Some(b));
             let hook = {
                 let mut w = lock(&client.inner.watch);
                 match w.as_mut() {

@@ -3,8 +3,9 @@
 //! when it next needs [`Coordinator::handle_timeout`]. The QUIC driver is in
 //! [`super::server`]; the tests drive it with a simulated clock.
 //!
-//! An epoch changes when a member of it dies (silent for `dead_after`), leaves, or reports
-//! that the epoch broke under it (a collective failed), and when newcomers wait: then every
+//! An epoch changes when a member of it dies (silent for `dead_after`) or reports that the
+//! epoch broke under it (a collective failed: a peer left or died), and when newcomers
+//! wait: then every
 //! member is told, in its next heartbeat answer, to finish its step (`change_at`) and report.
 //! The new epoch forms once every live member of the old one has reported (or after
 //! `change_limit`, without those that did not), with at least `min_members`.
@@ -285,12 +286,14 @@ impl Coordinator {
         }
     }
 
-    /// The member leaves the job for good.
+    /// The member leaves the job for good. Its epoch is not ended here: the member closed
+    /// its group gracefully, so the others complete what it took part in (its last step,
+    /// typically) and learn that it left from their next collective, which fails at once;
+    /// then they report, and the next epoch forms without it.
     pub fn leave(&mut self, now: Instant, id: MemberId) {
         self.known.remove(&id);
         if self.is_member(id) {
             self.gone.insert(id);
-            self.begin_change(now);
         }
         self.try_form(now);
     }

@@ -236,12 +236,14 @@ fn a_frozen_member_is_expelled_and_comes_back_as_a_newcomer() {
 }
 
 #[test]
-fn a_member_that_leaves_ends_the_epoch() {
+fn a_member_that_leaves_lets_the_others_finish_its_last_step_then_goes() {
     let t0 = Instant::now();
     let mut c = Coordinator::new(cfg(1), 1);
     let e1 = start(&mut c, t0, &[1, 2]);
     c.leave(ms(t0, 300), 2);
-    assert!(c.heartbeat(ms(t0, 301), 1, 4).ends(e1.number));
+    // Not aborted: 1 completes the step 2 took part in before it left.
+    assert!(!c.heartbeat(ms(t0, 301), 1, 4).ends(e1.number));
+    // 1's next collective fails (2 is gone): it reports, and goes on alone.
     c.report(ms(t0, 302), 1, e1.number, 4);
     assert_eq!(formed(&c, 1, 1).members, vec![Member { id: 1, step: 4 }]);
 }

@@ -60,6 +60,10 @@ pub trait Transport: Send + Sync + 'static {
         let _ = seq;
     }
 
+    /// Drops every connection now, telling the peers this process left (for a group
+    /// abandoned after a failure: nothing in flight is worth delivering any more).
+    fn leave_now(&self) {}
+
     /// Best-effort: tells every connected peer that this process is closing.
     fn goodbye(&self) -> impl Future<Output = ()> + Send + '_;
 }

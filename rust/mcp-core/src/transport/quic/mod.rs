@@ -16,6 +16,11 @@ pub use congestion::CongestionKind;
 pub use heartbeat::{PathFigures, PeerHealth};
 pub use stream_lane::RETAIN_BYTES;
 
+/// The local address the kernel would use to reach `target` (no packet is sent).
+pub fn local_ip_towards(target: std::net::SocketAddr) -> Result<std::net::IpAddr> {
+    endpoint::local_ip_towards(target)
+}
+
 use super::{Frame, Lane, Mailbox, MsgKey, Transport, DEFAULT_RESEND_LIMIT, MAX_RESENDS};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
@@ -1186,6 +1191,16 @@ impl Transport for QuicTransport {
 
     fn op_finished(&self, seq: u64) {
         self.progress_watch().op_finished(seq);
+    }
+
+    fn leave_now(&self) {
+        if self.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.endpoint
+            .close(VarInt::from_u32(close_code::GOODBYE), b"group aborted");
+        self.mailbox
+            .close(Error::Closed("this process aborted its group".into()));
     }
 
     async fn goodbye(&self) {
