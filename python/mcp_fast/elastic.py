@@ -355,6 +355,7 @@ def serve_coordinator(
     dead_after: float = 0.5,
     join_window: float = 0.2,
     change_limit: float = 60.0,
+    rebuild_window: float = 2.0,
 ) -> _core.Coordinator:
     """Starts a coordinator in this process (``mcp-coordinator`` runs one); returns it.
     ``bind`` is ``HOST:PORT`` (port 0 picks one: read ``.local_addr``)."""
@@ -370,4 +371,5 @@ def serve_coordinator(
         dead_after=dead_after,
         join_window=join_window,
         change_limit=change_limit,
+        rebuild_window=rebuild_window,
     )

@@ -41,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         default=60.0,
         help="seconds a change waits for a live member that does not report (60)",
     )
+    p.add_argument(
+        "--rebuild-window",
+        type=float,
+        default=2.0,
+        help="after a (re)start, seconds to wait for running members before a first epoch (2)",
+    )
     a = p.parse_args(argv)
     try:
         c = serve_coordinator(
@@ -50,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             dead_after=a.dead_after,
             join_window=a.join_window,
             change_limit=a.change_limit,
+            rebuild_window=a.rebuild_window,
         )
     except (ValueError, OSError) as e:
         print(f"mcp-coordinator: {e}", file=sys.stderr)

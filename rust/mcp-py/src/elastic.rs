@@ -56,7 +56,7 @@ pub struct Coordinator {
 impl Coordinator {
     /// Serves at `bind` (`HOST:PORT`; port 0 picks one) the members that hold `secret`.
     #[new]
-    #[pyo3(signature = (bind, secret, min_members=1, dead_after=0.5, join_window=0.2, change_limit=60.0))]
+    #[pyo3(signature = (bind, secret, min_members=1, dead_after=0.5, join_window=0.2, change_limit=60.0, rebuild_window=2.0))]
     fn new(
         py: Python<'_>,
         bind: &str,
@@ -65,12 +65,14 @@ impl Coordinator {
         dead_after: f64,
         join_window: f64,
         change_limit: f64,
+        rebuild_window: f64,
     ) -> PyResult<Coordinator> {
         let cfg = CoordinatorConfig {
             min_members,
             dead_after: seconds("dead_after", dead_after)?,
             join_window: seconds("join_window", join_window)?,
             change_limit: seconds("change_limit", change_limit)?,
+            rebuild_window: seconds("rebuild_window", rebuild_window)?,
         };
         let addr = host_port(bind)?;
         let rt = runtime(py)?;

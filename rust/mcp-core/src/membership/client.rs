@@ -384,7 +384,11 @@ fn unexpected(what: &str, r: &Reply) -> Error {
     Error::Protocol(format!("the coordinator answered {what} with {r:?}"))
 }
 
+/// Heartbeats in a row without an answer after which the connection is made anew.
+const SILENT_BEATS: u32 = 3;
+
 async fn heartbeats(inner: std::sync::Weak<Inner>) {
+    let mut silent = 0;
     loop {
         let (interval, client) = {
             let Some(i) = inner.upgrade() else { return };
@@ -398,7 +402,21 @@ async fn heartbeats(inner: std::sync::Weak<Inner>) {
             id: client.id(),
             step: client.inner.step.load(Ordering::Acquire),
         };
-        if let Ok(Reply::Beat(b)) = client.request(&req, started + interval * 2).await {
+        let answer = client.request(&req, started + interval * 2).await;
+        if answer.is_err() {
+            silent += 1;
+            if silent >= SILENT_BEATS {
+                // A coordinator that restarted does not know the connection (and cannot
+                // reset it): start a new one, which registers this member again.
+                silent = 0;
+                if let Some(c) = client.inner.conn.lock().await.take() {
+                    c.close(quinn::VarInt::from_u32(0), b"no answer");
+                }
+            }
+        } else {
+            silent = 0;
+        }
+        if let Ok(Reply::Beat(b)) = answer {
             client.inner.beats.fetch_add(1, Ordering::Relaxed);
             client.inner.beat.send_replace(Some(b));
             let hook = {

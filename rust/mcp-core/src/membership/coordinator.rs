@@ -27,6 +27,11 @@ pub struct CoordinatorConfig {
     /// A live member of the old epoch that has not reported this long after the change
     /// began is left out of the new one (it is stuck; it rejoins as a newcomer later).
     pub change_limit: Duration,
+    /// After the coordinator starts, how long it waits before it forms a first epoch of
+    /// its own: members of a job that is already running (under a coordinator that
+    /// restarted) tell it their epoch within this time, and it carries that on rather than
+    /// starting a second group beside it.
+    pub rebuild_window: Duration,
 }
 
 impl Default for CoordinatorConfig {
@@ -36,6 +41,7 @@ impl Default for CoordinatorConfig {
             dead_after: Duration::from_millis(500),
             join_window: Duration::from_millis(200),
             change_limit: Duration::from_secs(60),
+            rebuild_window: Duration::from_secs(2),
         }
     }
 }
@@ -118,6 +124,8 @@ pub struct Coordinator {
     last_report: Option<Instant>,
     /// The highest epoch number ever seen (views of a previous coordinator included).
     high_water: u64,
+    /// The first input's time: the rebuild window counts from it.
+    started: Option<Instant>,
 }
 
 impl Coordinator {
@@ -139,6 +147,7 @@ impl Coordinator {
             next_order: 0,
             last_report: None,
             high_water: 0,
+            started: None,
         }
     }
 
@@ -200,6 +209,7 @@ impl Coordinator {
     }
 
     fn touch(&mut self, now: Instant, id: MemberId, step: Option<Step>) {
+        self.started.get_or_insert(now);
         let k = self.known.entry(id).or_insert(Known {
             last_seen: now,
             step: NO_STATE,
@@ -328,8 +338,10 @@ impl Coordinator {
             .known
             .values()
             .map(|k| k.last_seen + self.cfg.dead_after);
-        let window = match (&self.current, self.last_report) {
-            (None, Some(t)) => Some(t + self.cfg.join_window),
+        let window = match (&self.current, self.last_report, self.started) {
+            (None, Some(t), Some(s)) => {
+                Some((t + self.cfg.join_window).max(s + self.cfg.rebuild_window))
+            }
             _ => None,
         };
         let limit = self.changing.map(|t| t + self.cfg.change_limit);
@@ -365,9 +377,13 @@ impl Coordinator {
         }
         let continuing: Vec<Member> = match &self.current {
             None => {
-                let settled = self
-                    .last_report
-                    .is_some_and(|t| now.saturating_duration_since(t) >= self.cfg.join_window);
+                let rebuilt = self
+                    .started
+                    .is_some_and(|t| now.saturating_duration_since(t) >= self.cfg.rebuild_window);
+                let settled = rebuilt
+                    && self
+                        .last_report
+                        .is_some_and(|t| now.saturating_duration_since(t) >= self.cfg.join_window);
                 if !settled {
                     return;
                 }

@@ -16,6 +16,7 @@ fn cfg(min: usize) -> CoordinatorConfig {
         dead_after: Duration::from_millis(500),
         join_window: Duration::from_millis(200),
         change_limit: Duration::from_secs(60),
+        rebuild_window: Duration::from_millis(100),
     }
 }
 
@@ -289,6 +290,44 @@ fn a_restarted_coordinator_rebuilds_the_epoch_from_its_members() {
     assert_eq!(e2.number, e.number + 1);
     assert_eq!(e2.incarnation, 2);
     assert_ne!(e2.group_secret(b"s"), e.group_secret(b"s"));
+}
+
+#[test]
+fn a_restarted_coordinator_waits_for_the_running_epoch_before_forming_its_own() {
+    let t0 = Instant::now();
+    let mut old = Coordinator::new(cfg(1), 1);
+    let e = start(&mut old, t0, &[1, 2]);
+    let mut c = Coordinator::new(
+        CoordinatorConfig {
+            rebuild_window: Duration::from_secs(1),
+            ..cfg(1)
+        },
+        2,
+    );
+    // A newcomer reaches the restarted coordinator before the running members do.
+    c.register(ms(t0, 1000), 9, SPEC, None).unwrap();
+    c.report(ms(t0, 1000), 9, 0, NO_STATE);
+    c.handle_timeout(ms(t0, 1300));
+    assert!(
+        c.current().is_none(),
+        "no second group beside the running one"
+    );
+    for id in [1, 2] {
+        c.register(ms(t0, 1400), id, SPEC, Some(e.clone())).unwrap();
+    }
+    assert_eq!(c.current(), Some(&e));
+    // The newcomer is admitted the usual way, at the members' next step boundary.
+    c.report(ms(t0, 1410), 9, 0, NO_STATE);
+    // The steps it knows are the view's: any member past them reports at its next boundary.
+    assert!(c
+        .heartbeat(ms(t0, 1420), 1, 30)
+        .change_at
+        .is_some_and(|s| s <= 31));
+    c.report(ms(t0, 1430), 1, e.number, 31);
+    c.report(ms(t0, 1430), 2, e.number, 31);
+    let e2 = formed(&c, 9, 0);
+    assert_eq!(e2.members.len(), 3);
+    assert!(e2.number > e.number);
 }
 
 #[test]

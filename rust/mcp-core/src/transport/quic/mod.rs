@@ -501,6 +501,11 @@ impl QuicTransport {
                 if let Some(c) = rx.borrow_and_update().clone() {
                     return Ok(c);
                 }
+                if self.closing.load(Ordering::Acquire) {
+                    return Err(Error::Closed(format!(
+                        "this process closed its group while waiting for rank {peer} to connect"
+                    )));
+                }
                 if rx.changed().await.is_err() {
                     return Err(Error::Closed("transport dropped".into()));
                 }
@@ -1201,6 +1206,10 @@ impl Transport for QuicTransport {
             .close(VarInt::from_u32(close_code::GOODBYE), b"group aborted");
         self.mailbox
             .close(Error::Closed("this process aborted its group".into()));
+        // Wakes sends waiting for a peer to connect: they see `closing` and fail.
+        for slot in &self.peers {
+            slot.conn.send_modify(|_| {});
+        }
     }
 
     async fn goodbye(&self) {

@@ -1,0 +1,219 @@
+"""Elastic membership: members die (kill -9), freeze (SIGSTOP), arrive and heal, the
+coordinator restarts; the survivors keep training, with identical state after every
+committed step. Real processes on 127.0.0.1 (see ``_elastic.py``), and the bad inputs
+in-process."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from _elastic import SECRET, ElasticRun, assert_consistent
+
+import mcp_fast as mcp
+from mcp_fast.elastic import ElasticJob, serve_coordinator
+
+STEPS = 400
+
+
+def _kill(run: ElasticRun, name: str) -> None:
+    run.members[name].kill()
+    run.members[name].wait(timeout=10)
+
+
+def test_killing_rank0_a_middle_and_the_last_rank_and_a_newcomer_joining(tmp_path):
+    rng = random.Random()
+    with ElasticRun(tmp_path, STEPS) as run:
+        for i in range(4):
+            run.spawn(f"m{i}")
+        e = run.wait_epoch(4)
+        # Rank 0 is the first to arrive; which process it is shows in its JSON only, so
+        # kill by arrival order: m0..m3 arrive in some order, every one may be rank 0.
+        time.sleep(rng.uniform(0.2, 1.0))
+        _kill(run, "m0")
+        e = run.wait_epoch(3, after=e)
+        time.sleep(rng.uniform(0.0, 0.5))
+        _kill(run, "m3")
+        e = run.wait_epoch(2, after=e)
+        run.spawn("new")
+        e = run.wait_epoch(3, after=e)
+        time.sleep(rng.uniform(0.1, 0.6))
+        _kill(run, "m1")
+        results = run.finish(["m2", "new"])
+    assert_consistent(results, STEPS)
+    new = results["new"]
+    assert new["changes"][0]["role"] == "taker", new["changes"][0]
+    assert new["steps_committed"] < STEPS
+    assert results["m2"]["steps_committed"] + results["m2"]["changes"][0]["step"] >= STEPS - 2
+
+
+def test_two_members_dying_at_once_and_one_during_the_change(tmp_path):
+    with ElasticRun(tmp_path, STEPS) as run:
+        for i in range(5):
+            run.spawn(f"m{i}")
+        e = run.wait_epoch(5)
+        time.sleep(0.5)
+        run.members["m1"].kill()
+        run.members["m2"].kill()
+        time.sleep(0.25)  # the coordinator is deciding that they are dead
+        run.members["m4"].kill()
+        results = run.finish(["m0", "m3"])
+    assert_consistent(results, STEPS)
+    assert any(n == 2 for _, ep, n in run.coordinator.epochs() if ep > e), run.said()
+
+
+def test_a_frozen_member_is_expelled_and_rejoins_as_a_newcomer(tmp_path):
+    with ElasticRun(tmp_path, STEPS) as run:
+        for i in range(3):
+            run.spawn(f"m{i}")
+        e = run.wait_epoch(3)
+        time.sleep(0.5)
+        run.members["m1"].send_signal(signal.SIGSTOP)
+        e = run.wait_epoch(2, after=e)
+        time.sleep(0.5)
+        run.members["m1"].send_signal(signal.SIGCONT)
+        run.wait_epoch(3, after=e)
+        results = run.finish(["m0", "m1", "m2"])
+    assert_consistent(results, STEPS)
+    roles = [c["role"] for c in results["m1"]["changes"]]
+    assert "taker" in roles[1:], results["m1"]["changes"]
+
+
+def test_a_newcomer_killed_while_it_heals_leaves_the_group_as_it_was(tmp_path):
+    with ElasticRun(tmp_path, STEPS, step_sleep=0.03) as run:
+        for i in range(2):
+            run.spawn(f"m{i}")
+        e = run.wait_epoch(2)
+        # A slow link makes the newcomer's heal (about 0.8 MB) last about half a second.
+        run.spawn("victim", env={"MCP_CHAOS": "rate=12mbit,seed=3"})
+        e = run.wait_epoch(3, after=e)
+        time.sleep(0.15)
+        _kill(run, "victim")
+        run.wait_epoch(2, after=e)
+        results = run.finish(["m0", "m1"])
+    assert_consistent(results, STEPS)
+
+
+def test_training_goes_on_while_the_coordinator_is_down_and_a_restarted_one_admits(tmp_path):
+    with ElasticRun(tmp_path, STEPS, step_sleep=0.03) as run:
+        for i in range(3):
+            run.spawn(f"m{i}")
+        e = run.wait_epoch(3)
+        time.sleep(0.5)
+        run.coordinator.stop()
+        down = time.monotonic()
+        time.sleep(2.0)
+        up = time.monotonic()
+        c = run.start_coordinator()
+        run.spawn("new")
+        run.wait_epoch(4, after=e)
+        results = run.finish(["m0", "m1", "m2", "new"])
+    assert_consistent(results, STEPS)
+    # Steps were committed while no coordinator ran (the digests carry no time, but the
+    # epoch did not change: the members that were up committed steps in epoch e across it).
+    in_e = [s for s, (ep, _) in results["m0"]["digests"].items() if ep == e]
+    assert len(in_e) > 30, (len(in_e), up - down)
+    assert any(ep > e for _, ep, _ in c.epochs()), c.lines
+
+
+def test_a_member_killed_under_20_percent_loss(tmp_path):
+    with ElasticRun(tmp_path, 250, env={"MCP_CHAOS": "loss=0.2,seed=11"}) as run:
+        for i in range(3):
+            run.spawn(f"m{i}")
+        e = run.wait_epoch(3)
+        time.sleep(0.7)
+        _kill(run, "m2")
+        run.wait_epoch(2, after=e)
+        results = run.finish(["m0", "m1"])
+    assert_consistent(results, 250)
+
+
+# -- bad input, in-process --------------------------------------------------------------
+
+
+def _numpy_job(addr: str, state: dict[str, np.ndarray], **kw) -> ElasticJob:
+    def save() -> bytes:
+        return state["w"].tobytes()
+
+    def load(b: bytes) -> None:
+        state["w"][:] = np.frombuffer(b, dtype=state["w"].dtype)
+
+    return ElasticJob(addr, save=save, load=load, spec=f"w:f32{list(state['w'].shape)}", **kw)
+
+
+def test_in_process_members_heal_and_average():
+    c = serve_coordinator("127.0.0.1:0", SECRET, min_members=2)
+    out: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def member(i: int) -> None:
+        try:
+            state = {"w": np.full(8, float(i), dtype=np.float32)}
+            with _numpy_job(c.local_addr, state, secret=SECRET) as job:
+                while job.step < 5:
+                    g = job.begin()
+                    grad = np.full(8, float(g.rank + 1), dtype=np.float32)
+                    g.all_reduce(grad, op="avg")
+                    state["w"] -= grad
+                    job.commit()
+                out[i] = state["w"].copy()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    c.close()
+    assert not errors, errors
+    # Both start from rank 0's state (healed), then subtract the mean of 1 and 2 five times.
+    assert np.array_equal(out[0], out[1])
+    assert np.all(out[0] == out[0][0])
+    assert out[0][0] in (0 - 7.5, 1 - 7.5)
+
+
+def test_a_different_model_is_refused_at_admission_naming_both():
+    c = serve_coordinator("127.0.0.1:0", SECRET)
+    try:
+        a = _numpy_job(c.local_addr, {"w": np.zeros(8, np.float32)}, secret=SECRET)
+        with pytest.raises(mcp.SpecMismatchError) as ei:
+            _numpy_job(c.local_addr, {"w": np.zeros(9, np.float32)}, secret=SECRET)
+        assert "w:f32[8]" in str(ei.value) and "w:f32[9]" in str(ei.value)
+        a.close()
+    finally:
+        c.close()
+
+
+def test_another_job_secret_is_refused_at_the_handshake():
+    c = serve_coordinator("127.0.0.1:0", SECRET)
+    try:
+        with pytest.raises(mcp.AuthenticationError):
+            _numpy_job(
+                c.local_addr, {"w": np.zeros(2, np.float32)}, secret="not-it", timeout=5
+            )
+        assert c.stats()["refused_handshakes"] >= 1
+    finally:
+        c.close()
+
+
+def test_missing_settings_are_named():
+    with pytest.raises(ValueError, match="coordinator"):
+        _numpy_job("", {"w": np.zeros(2, np.float32)}, secret=SECRET)
+    with pytest.raises(ValueError, match="secret"):
+        serve_coordinator("127.0.0.1:0", "")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        serve_coordinator("nowhere", SECRET)
+    with pytest.raises(ValueError, match="dead_after"):
+        serve_coordinator("127.0.0.1:0", SECRET, dead_after=-1)
+
+
+def test_an_unreachable_coordinator_times_out_with_a_clear_error():
+    with pytest.raises(mcp.MCPTimeoutError, match="coordinator"):
+        _numpy_job(
+            "127.0.0.1:9", {"w": np.zeros(2, np.float32)}, secret=SECRET, connect_timeout=1.0
+        )
