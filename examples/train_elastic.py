@@ -98,6 +98,7 @@ def main() -> int:
     p.add_argument("--corpus-bytes", type=int, default=2 << 20)
     p.add_argument("--json", help="write what this process did here")
     p.add_argument("--digests", action="store_true", help="record the state digest per step")
+    p.add_argument("--timeline", help="append 'step epoch unix-time' to this file at every commit")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args()
@@ -113,6 +114,7 @@ def main() -> int:
     committed, epochs, digests = 0, [], {}
     last_loss = float("nan")
     started = time.monotonic()
+    timeline = open(a.timeline, "a", buffering=1) if a.timeline else None
     try:
         while ddp.step < a.steps:
             ddp.begin()
@@ -136,6 +138,8 @@ def main() -> int:
                 last_loss = loss.item()
                 if a.digests:
                     digests[ddp.step] = [ddp.epoch, ddp.state_digest()]
+                if timeline is not None:
+                    timeline.write(f"{ddp.step} {ddp.epoch} {time.time():.6f}\n")
     finally:
         final = {
             "member_id": ddp.job.member_id,
@@ -152,6 +156,8 @@ def main() -> int:
         if a.digests:
             final["digests"] = digests
         ddp.close()
+        if timeline is not None:
+            timeline.close()
     if not a.quiet:
         print(json.dumps({k: v for k, v in final.items() if k not in ("changes", "digests")}))
     if a.json:

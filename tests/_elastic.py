@@ -129,7 +129,7 @@ class ElasticRun:
 
     def spawn(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         assert self.coordinator is not None
-        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        log = open(self.tmp / f"{name}.log", "w")
         p = subprocess.Popen(
             [
                 sys.executable,

@@ -113,9 +113,7 @@ class ElasticDDP:
         ``optimizer.step()``, counts the step and returns True. If it failed (a member died
         or left), zeroes the gradients, leaves the epoch and returns False."""
         group = self.job.group
-        grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params
-        ]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, g in enumerate(grads):
             by_dtype.setdefault(g.dtype, []).append(i)

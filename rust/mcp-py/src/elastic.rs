@@ -56,6 +56,7 @@ pub struct Coordinator {
 impl Coordinator {
     /// Serves at `bind` (`HOST:PORT`; port 0 picks one) the members that hold `secret`.
     #[new]
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (bind, secret, min_members=1, dead_after=0.5, join_window=0.2, change_limit=60.0, rebuild_window=2.0))]
     fn new(
         py: Python<'_>,
