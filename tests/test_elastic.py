@@ -5,6 +5,8 @@ in-process."""
 
 from __future__ import annotations
 
+import json
+import os as _os
 import random
 import signal
 import threading
@@ -13,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import _netns
 import mcp_fast as mcp
 from _elastic import SECRET, ElasticRun, assert_consistent
 from mcp_fast.elastic import ElasticJob, serve_coordinator
@@ -219,3 +222,110 @@ def test_an_unreachable_coordinator_times_out_with_a_clear_error():
         _numpy_job(
             "127.0.0.1:9", {"w": np.zeros(2, np.float32)}, secret=SECRET, connect_timeout=1.0
         )
+
+
+# -- two hosts, one torchrun each -------------------------------------------------------
+
+
+def _worker_pid(ns: str) -> int | None:
+    """The training worker (not torchrun itself) running in namespace ``ns``."""
+    import subprocess
+
+    pids = subprocess.run(
+        ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    for pid in pids:
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"train_elastic.py") for a in argv[1:3]) and b"torchrun" not in argv[0]:
+            if not any(b"torch.distributed.run" in a or b"torchrun" in a for a in argv[:3]):
+                return int(pid)
+    return None
+
+
+@pytest.mark.skipif(not _netns.available(), reason="needs root and iproute2 for namespaces")
+def test_a_worker_killed_on_one_host_is_restarted_by_torchrun_and_heals(tmp_path):
+    import subprocess
+    import sys
+
+    from _elastic import TRAIN, Coordinator
+    from _launch import free_port
+
+    steps = 300
+    env = {**_os.environ, "MCP_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    with _netns.VethPair(tag="el") as net:
+        coord = net.popen(
+            0,
+            [sys.executable, "-m", "mcp_fast.cli.coordinator", "--bind", f"{net.addr[0]}:{port}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        first = coord.stdout.readline()
+        assert first.startswith("listening on"), first
+        c = Coordinator(coord, first.split()[-1])
+
+        def read() -> None:
+            for line in coord.stdout:
+                c.lines.append((time.monotonic(), line.strip()))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        hosts = []
+        for i in range(2):
+            log = open(tmp_path / f"host{i}.log", "wb")
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=1",
+                "--max-restarts=3",
+                str(TRAIN),
+                "--join",
+                f"{net.addr[0]}:{port}",
+                "--steps",
+                str(steps),
+                "--step-sleep",
+                "0.03",
+                "--corpus-bytes",
+                "300000",
+                "--quiet",
+                "--json",
+                str(tmp_path / f"host{i}.json"),
+            ]
+            hosts.append(net.popen(i, cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+
+        def epoch_with(n: int, after: int) -> int:
+            end = time.monotonic() + 120
+            while time.monotonic() < end:
+                for _, e, m in c.epochs():
+                    if e > after and m == n:
+                        return e
+                time.sleep(0.05)
+            raise AssertionError(f"no epoch > {after} with {n} members: {c.lines}")
+
+        e = epoch_with(2, 0)
+        time.sleep(1.0)
+        victim = _worker_pid(net.ns[1])
+        assert victim is not None
+        _os.kill(victim, signal.SIGKILL)
+        e = epoch_with(1, e)
+        epoch_with(2, e)  # torchrun restarted it; it rejoined and healed
+        codes = [h.wait(timeout=180) for h in hosts]
+        coord.kill()
+        coord.wait()
+        reader.join(10)
+        coord.stdout.close()
+        problems = net.close()
+    logs = [(tmp_path / f"host{i}.log").read_text(errors="replace")[-3000:] for i in range(2)]
+    assert codes == [0, 0], logs
+    assert not problems, problems
+    r = [json.loads((tmp_path / f"host{i}.json").read_text()) for i in range(2)]
+    assert r[0]["sha3"] == r[1]["sha3"]
+    assert r[0]["final_step"] == r[1]["final_step"] == steps
+    assert r[1]["changes"][0]["role"] == "taker", r[1]["changes"]
