@@ -77,6 +77,7 @@ bench: $(BUILT) $(BENCH_STAMP)
 	$(PY) benches/compare_gloo.py
 	$(PY) benches/delta_vs_zipnn.py
 	$(PY) benches/bench_failure_detection.py --runs 20
+	$(PY) benches/bench_elastic.py
 	$(PY) benches/bench_ps.py
 
 clean:

@@ -11,6 +11,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,7 +237,7 @@ def _worker_pid(ns: str) -> int | None:
     ).stdout.split()
     for pid in pids:
         try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if any(a.endswith(b"train_elastic.py") for a in argv[1:3]) and b"torchrun" not in argv[0]:
@@ -245,6 +246,8 @@ def _worker_pid(ns: str) -> int | None:
     return None
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(not _netns.available(), reason="needs root and iproute2 for namespaces")
 def test_a_worker_killed_on_one_host_is_restarted_by_torchrun_and_heals(tmp_path):
     import subprocess
