@@ -100,6 +100,7 @@ def main() -> int:
     p.add_argument("--digests", action="store_true", help="record the state digest per step")
     p.add_argument("--timeline", help="append 'step epoch unix-time' to this file at every commit")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--status", help="rewrite this file with epoch, rank and step at each change")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args()
     if not a.join:
@@ -120,6 +121,14 @@ def main() -> int:
             ddp.begin()
             if not epochs or epochs[-1] != ddp.epoch:
                 epochs.append(ddp.epoch)
+                if a.status:
+                    tmp = a.status + ".tmp"
+                    Path(tmp).write_text(
+                        json.dumps(
+                            {"epoch": ddp.epoch, "rank": ddp.rank, "world_size": ddp.world_size}
+                        )
+                    )
+                    os.replace(tmp, a.status)
                 if not a.quiet:
                     print(
                         f"[{ddp.job.member_id:x}] epoch {ddp.epoch}: rank {ddp.rank} of "

@@ -146,6 +146,8 @@ class ElasticRun:
                 "--quiet",
                 "--json",
                 str(self.tmp / f"{name}.json"),
+                "--status",
+                str(self.tmp / f"{name}.status"),
             ],
             env={**self.env, **(env or {})},
             stdout=log,
@@ -178,6 +180,31 @@ class ElasticRun:
             return None
 
         return self.wait_for(f"an epoch > {after} with {members} members", found, timeout)
+
+    def by_rank(self) -> tuple[int, dict[int, str]]:
+        """The epoch every live member runs in, and which member has which rank in it
+        (waits until they agree: one may still be on its way into a newer epoch)."""
+        assert self.coordinator is not None
+        c = self.coordinator
+
+        def ranks() -> tuple[int, dict[int, str]] | None:
+            seen: dict[str, dict[str, int]] = {}
+            for name, p in self.members.items():
+                f = self.tmp / f"{name}.status"
+                if p.poll() is None and f.exists():
+                    try:
+                        seen[name] = json.loads(f.read_text())
+                    except ValueError:
+                        return None
+            epochs = {st["epoch"] for st in seen.values()}
+            sizes = {e: n for _, e, n in c.epochs()}
+            if len(epochs) != 1:
+                return None
+            (e,) = epochs
+            out = {st["rank"]: name for name, st in seen.items()}
+            return (e, out) if len(out) == sizes.get(e) else None
+
+        return self.wait_for("the members to agree on an epoch", ranks, 60)
 
     def latest_epoch(self) -> int:
         assert self.coordinator is not None
