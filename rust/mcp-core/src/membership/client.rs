@@ -50,6 +50,8 @@ struct Inner {
     endpoint: Endpoint,
     client_cfg: quinn::ClientConfig,
     conn: tokio::sync::Mutex<Option<Connection>>,
+    /// The tether of the current registration (see [`Reply::Welcome`]).
+    tether: Mutex<Option<tokio::net::TcpStream>>,
     view: Mutex<Option<Epoch>>,
     step: AtomicI64,
     beat: tokio::sync::watch::Sender<Option<Beat>>,
@@ -92,6 +94,7 @@ impl MemberClient {
                 endpoint: b.endpoint,
                 client_cfg: b.client,
                 conn: tokio::sync::Mutex::new(None),
+                tether: Mutex::new(None),
                 view: Mutex::new(None),
                 step: AtomicI64::new(NO_STATE),
                 beat: tokio::sync::watch::channel(None).0,
@@ -266,6 +269,7 @@ impl MemberClient {
         let _ = self
             .request(&Request::Leave { id: self.id() }, deadline)
             .await;
+        lock(&self.inner.tether).take();
         self.inner
             .endpoint
             .close(quinn::VarInt::from_u32(0), b"member left");
@@ -299,7 +303,12 @@ impl MemberClient {
                     view,
                 };
                 match exchange(&conn, &reg, &who).await? {
-                    Reply::Ok => Ok(conn),
+                    Reply::Welcome { token, tether } => {
+                        if tether {
+                            self.tie(token).await;
+                        }
+                        Ok(conn)
+                    }
                     Reply::Refused(why) => Err(Error::SpecMismatch(why)),
                     other => Err(unexpected("register", &other)),
                 }
@@ -334,6 +343,30 @@ impl MemberClient {
                 }
             }
         }
+    }
+
+    /// Opens the tether of a registration: a TCP connection to the coordinator's port that
+    /// names `token` and then stays open while this process lives. Best effort: without
+    /// it, the coordinator finds a dead process by heartbeat silence.
+    async fn tie(&self, token: [u8; 16]) {
+        let addr = self.inner.cfg.coordinator;
+        let stream = tokio::time::timeout(Duration::from_secs(2), async {
+            let s = tokio::net::TcpStream::connect(addr).await.ok()?;
+            let mut sent = 0;
+            while sent < token.len() {
+                s.writable().await.ok()?;
+                match s.try_write(&token[sent..]) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(_) => return None,
+                }
+            }
+            Some(s)
+        })
+        .await
+        .ok()
+        .flatten();
+        *lock(&self.inner.tether) = stream;
     }
 
     async fn request(&self, req: &Request, deadline: Instant) -> Result<Reply> {

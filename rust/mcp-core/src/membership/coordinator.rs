@@ -3,7 +3,8 @@
 //! when it next needs [`Coordinator::handle_timeout`]. The QUIC driver is in
 //! [`super::server`]; the tests drive it with a simulated clock.
 //!
-//! An epoch changes when a member of it dies (silent for `dead_after`) or reports that the
+//! An epoch changes when a member of it dies (silent for `dead_after`, or its process exited
+//! and the kernel closed its tether; see [`Coordinator::died`]) or reports that the
 //! epoch broke under it (a collective failed: a peer left or died), and when newcomers
 //! wait: then every
 //! member is told, in its next heartbeat answer, to finish its step (`change_at`) and report.
@@ -304,6 +305,20 @@ impl Coordinator {
         self.known.remove(&id);
         if self.is_member(id) {
             self.gone.insert(id);
+        }
+        self.try_form(now);
+    }
+
+    /// The member's process is gone: the platform said so (its tether, a TCP connection
+    /// the kernel closes when the process exits, was closed) before the heartbeats could.
+    /// As a death by silence, only sooner. Ignored for a member that left.
+    pub fn died(&mut self, now: Instant, id: MemberId) {
+        if self.known.remove(&id).is_none() {
+            return;
+        }
+        if self.is_member(id) {
+            self.gone.insert(id);
+            self.begin_change(now);
         }
         self.try_form(now);
     }

@@ -4,11 +4,12 @@
 
 use super::coordinator::{Coordinator, CoordinatorConfig, Master, Readiness};
 use super::wire::{Reply, Request, MAX_BODY};
-use super::Epoch;
+use super::{Epoch, MemberId};
 use crate::error::{Error, Result};
 use crate::transport::quic::close_code;
 use crate::transport::quic::endpoint;
 use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,9 +32,14 @@ const MAX_WAIT: Duration = Duration::from_secs(5);
 const TICK: Duration = Duration::from_millis(50);
 /// QUIC's own idle limit on a member's connection (liveness is judged by heartbeats).
 const CONN_IDLE: Duration = Duration::from_secs(10);
+/// How long a new tether has to name its registration.
+const TETHER_HELLO: Duration = Duration::from_secs(5);
 
 struct Inner {
     sm: Mutex<Coordinator>,
+    /// Each member's current registration token (its tether names it).
+    tokens: Mutex<HashMap<MemberId, [u8; 16]>>,
+    tether: bool,
     /// Bumped on every change, to wake long polls.
     version: watch::Sender<u64>,
     closing: AtomicBool,
@@ -78,7 +84,17 @@ impl CoordinatorServer {
         }
         let b = endpoint::control_endpoint(bind, secret, true, CONN_IDLE, None, alpn(), 1 << 16)?;
         let addr = b.endpoint.local_addr()?;
+        // Tethers: TCP on the same port number. Without it (the TCP port is taken) a dead
+        // process is found by heartbeat silence only.
+        let tethers = std::net::TcpListener::bind(addr)
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                tokio::net::TcpListener::from_std(l)
+            })
+            .ok();
         let inner = Arc::new(Inner {
+            tokens: Mutex::new(HashMap::new()),
+            tether: tethers.is_some(),
             sm: Mutex::new(Coordinator::new(cfg, rand::random())),
             version: watch::channel(0).0,
             closing: AtomicBool::new(false),
@@ -87,6 +103,9 @@ impl CoordinatorServer {
         });
         tokio::spawn(accept_loop(inner.clone(), b.endpoint.clone()));
         tokio::spawn(timer(Arc::downgrade(&inner)));
+        if let Some(l) = tethers {
+            tokio::spawn(tether_loop(Arc::downgrade(&inner), l));
+        }
         Ok(CoordinatorServer {
             inner,
             endpoint: b.endpoint,
@@ -162,6 +181,81 @@ async fn timer(inner: std::sync::Weak<Inner>) {
     }
 }
 
+/// Accepts tethers: a member's TCP connection that names its registration's token, and then
+/// stays open, carrying nothing, until the member's process exits (the kernel closes it,
+/// however the process ends). A tether that closes marks its member dead at once, unless
+/// the member registered again since (a new connection, a new token).
+async fn tether_loop(inner: std::sync::Weak<Inner>, listener: tokio::net::TcpListener) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let Some(i) = inner.upgrade() else { return };
+        if i.closing.load(Ordering::Acquire) {
+            return;
+        }
+        drop(i);
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let Ok(Some(token)) = tokio::time::timeout(TETHER_HELLO, read_token(&stream)).await
+            else {
+                return;
+            };
+            let id = {
+                let Some(i) = inner.upgrade() else { return };
+                let tokens = i.tokens.lock().unwrap_or_else(|p| p.into_inner());
+                match tokens.iter().find(|(_, t)| **t == token) {
+                    Some((&id, _)) => id,
+                    None => return,
+                }
+            };
+            wait_closed(&stream).await;
+            let Some(i) = inner.upgrade() else { return };
+            let current = i
+                .tokens
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&id)
+                .is_some_and(|t| *t == token);
+            if current && !i.closing.load(Ordering::Acquire) {
+                i.sm().died(Instant::now(), id);
+                i.bump();
+            }
+        });
+    }
+}
+
+async fn read_token(stream: &tokio::net::TcpStream) -> Option<[u8; 16]> {
+    let mut token = [0u8; 16];
+    let mut got = 0;
+    while got < token.len() {
+        stream.readable().await.ok()?;
+        match stream.try_read(&mut token[got..]) {
+            Ok(0) => return None,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return None,
+        }
+    }
+    Some(token)
+}
+
+/// Returns once the peer closed (or reset) the connection; anything it sends is dropped.
+async fn wait_closed(stream: &tokio::net::TcpStream) {
+    let mut sink = [0u8; 64];
+    loop {
+        if stream.readable().await.is_err() {
+            return;
+        }
+        match stream.try_read(&mut sink) {
+            Ok(0) => return,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return,
+        }
+    }
+}
+
 async fn accept_loop(inner: Arc<Inner>, endpoint: Endpoint) {
     while let Some(incoming) = endpoint.accept().await {
         let inner = inner.clone();
@@ -222,7 +316,18 @@ async fn answer(inner: &Arc<Inner>, req: Request) -> Reply {
             let r = inner.sm().register(now, id, &spec, view);
             inner.bump();
             match r {
-                Ok(()) => Reply::Ok,
+                Ok(()) => {
+                    let token: [u8; 16] = rand::random();
+                    inner
+                        .tokens
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id, token);
+                    Reply::Welcome {
+                        token,
+                        tether: inner.tether,
+                    }
+                }
                 Err(e) => Reply::Refused(e.to_string()),
             }
         }

@@ -250,6 +250,27 @@ fn a_member_that_leaves_lets_the_others_finish_its_last_step_then_goes() {
 }
 
 #[test]
+fn a_process_that_exits_is_dead_at_once_and_one_that_left_is_not_killed_again() {
+    let t0 = Instant::now();
+    let mut c = Coordinator::new(cfg(1), 1);
+    let e1 = start(&mut c, t0, &[1, 2, 3]);
+    c.died(ms(t0, 300), 3);
+    let b = c.heartbeat(ms(t0, 301), 1, 9);
+    assert!(
+        b.ending && b.ends(e1.number),
+        "no heartbeat silence needed: {b:?}"
+    );
+    c.report(ms(t0, 302), 1, e1.number, 9);
+    c.report(ms(t0, 302), 2, e1.number, 9);
+    let e2 = formed(&c, 1, 1);
+    assert_eq!(e2.members.len(), 2);
+    // 2 leaves (its tether closes after): the epoch is not ended by the closing tether.
+    c.leave(ms(t0, 400), 2);
+    c.died(ms(t0, 401), 2);
+    assert!(!c.heartbeat(ms(t0, 402), 1, 10).ending);
+}
+
+#[test]
 fn a_different_model_is_refused_at_admission_naming_both() {
     let t0 = Instant::now();
     let mut c = Coordinator::new(cfg(1), 1);
@@ -502,6 +523,10 @@ fn messages_round_trip_and_damaged_ones_are_refused() {
         Reply::Unknown,
         Reply::MasterAt("h:1".into()),
         Reply::Superseded,
+        Reply::Welcome {
+            token: [7; 16],
+            tether: true,
+        },
     ];
     for r in &replies {
         assert_eq!(&Reply::decode(&r.encode()).unwrap(), r);

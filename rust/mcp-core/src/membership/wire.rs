@@ -83,6 +83,15 @@ pub enum Reply {
     MasterAt(String),
     /// The epoch asked about was superseded.
     Superseded,
+    /// Registered. The member connects over TCP to the coordinator's port and sends
+    /// `token`: while that connection stays open the process lives (the kernel closes it
+    /// when the process exits, however it exits).
+    Welcome {
+        /// Names this registration on the tether.
+        token: [u8; 16],
+        /// Whether the coordinator listens for tethers.
+        tether: bool,
+    },
 }
 
 struct W(Vec<u8>);
@@ -341,6 +350,11 @@ impl Reply {
                 w.str(a);
             }
             Reply::Superseded => w.u8(8),
+            Reply::Welcome { token, tether } => {
+                w.u8(9);
+                w.0.extend_from_slice(token);
+                w.u8(u8::from(*tether));
+            }
         }
         frame(w)
     }
@@ -367,6 +381,14 @@ impl Reply {
             6 => Reply::Unknown,
             7 => Reply::MasterAt(r.str("address")?),
             8 => Reply::Superseded,
+            9 => {
+                let mut token = [0u8; 16];
+                token.copy_from_slice(r.take(16, "token")?);
+                Reply::Welcome {
+                    token,
+                    tether: r.u8("welcome")? != 0,
+                }
+            }
             k => {
                 return Err(Error::Protocol(format!(
                     "unknown membership reply kind {k}"
