@@ -242,9 +242,11 @@ impl ElasticMember {
 
     /// Aborts `group` (its operations raise `GroupClosedError`) as soon as the coordinator
     /// says `epoch` is over.
-    fn watch(&self, epoch: u64, group: &ProcessGroup) {
+    fn watch(&self, py: Python<'_>, epoch: u64, group: &ProcessGroup) -> PyResult<()> {
         let g = group.group.clone();
+        let _rt = runtime(py)?.enter();
         self.client.watch(epoch, Box::new(move || g.abort()));
+        Ok(())
     }
 
     /// Stops watching.

@@ -142,7 +142,9 @@ impl MemberClient {
         )
     }
 
-    /// Runs `hook` once the coordinator says `epoch` is over (at once if it already said so).
+    /// Runs `hook` once the coordinator says `epoch` is over (at once if it already said
+    /// so). Besides the heartbeats, a request held by the coordinator until the epoch ends
+    /// brings the news as soon as there is any.
     pub fn watch(&self, epoch: u64, hook: AbortHook) {
         let ended = self.beat().is_some_and(|b| b.ends(epoch));
         if ended {
@@ -153,6 +155,7 @@ impl MemberClient {
             epoch,
             hook: Some(hook),
         });
+        tokio::spawn(watch_epoch(Arc::downgrade(&self.inner), epoch));
     }
 
     /// Removes the abort hook.
@@ -417,6 +420,49 @@ fn unexpected(what: &str, r: &Reply) -> Error {
     Error::Protocol(format!("the coordinator answered {what} with {r:?}"))
 }
 
+/// Fires the watched hook when `beat` says its epoch is over.
+fn deliver(inner: &Inner, b: Beat) {
+    inner.beat.send_replace(Some(b));
+    let hook = {
+        let mut w = lock(&inner.watch);
+        match w.as_mut() {
+            Some(w) if b.ends(w.epoch) => w.hook.take(),
+            _ => None,
+        }
+    };
+    if let Some(h) = hook {
+        h();
+    }
+}
+
+/// Keeps a `Watch` request for `epoch` at the coordinator while this member runs in it.
+async fn watch_epoch(inner: std::sync::Weak<Inner>, epoch: u64) {
+    loop {
+        let client = {
+            let Some(i) = inner.upgrade() else { return };
+            let watching = lock(&i.watch)
+                .as_ref()
+                .is_some_and(|w| w.epoch == epoch && w.hook.is_some());
+            if !watching || i.closed.load(Ordering::Acquire) {
+                return;
+            }
+            MemberClient { inner: i }
+        };
+        let req = Request::Watch {
+            id: client.id(),
+            epoch,
+            wait_ms: 2000,
+        };
+        match client
+            .request(&req, Instant::now() + Duration::from_secs(1))
+            .await
+        {
+            Ok(Reply::Beat(b)) => deliver(&client.inner, b),
+            _ => tokio::time::sleep(client.inner.cfg.heartbeat).await,
+        }
+    }
+}
+
 /// Heartbeats in a row without an answer after which the connection is made anew.
 const SILENT_BEATS: u32 = 3;
 
@@ -451,17 +497,7 @@ async fn heartbeats(inner: std::sync::Weak<Inner>) {
         }
         if let Ok(Reply::Beat(b)) = answer {
             client.inner.beats.fetch_add(1, Ordering::Relaxed);
-            client.inner.beat.send_replace(Some(b));
-            let hook = {
-                let mut w = lock(&client.inner.watch);
-                match w.as_mut() {
-                    Some(w) if b.ends(w.epoch) => w.hook.take(),
-                    _ => None,
-                }
-            };
-            if let Some(h) = hook {
-                h();
-            }
+            deliver(&client.inner, b);
         }
         drop(client);
         let spent = started.elapsed();

@@ -239,6 +239,12 @@ impl Coordinator {
     /// A heartbeat: the member is alive, with `step` committed.
     pub fn heartbeat(&mut self, now: Instant, id: MemberId, step: Step) -> Beat {
         self.touch(now, id, Some(step));
+        self.beat_of(id)
+    }
+
+    /// What a heartbeat of `id` would be answered now (for a member waiting to hear that
+    /// its epoch ends).
+    pub fn beat_of(&self, id: MemberId) -> Beat {
         let member = self.is_member(id);
         Beat {
             latest: self.current.as_ref().map_or(0, |c| c.number),

@@ -366,6 +366,12 @@ async fn answer(inner: &Arc<Inner>, req: Request) -> Reply {
             .await
             .unwrap_or(Reply::Waiting)
         }
+        Request::Watch { id, epoch, wait_ms } => long_poll(inner, wait_ms, || {
+            let b = inner.sm().beat_of(id);
+            b.ends(epoch).then_some(Reply::Beat(b))
+        })
+        .await
+        .unwrap_or_else(|| Reply::Beat(inner.sm().beat_of(id))),
         Request::Leave { id } => {
             inner.sm().leave(now, id);
             inner.bump();

@@ -492,6 +492,11 @@ fn messages_round_trip_and_damaged_ones_are_refused() {
             wait_ms: 5,
         },
         Request::Leave { id: 7 },
+        Request::Watch {
+            id: 7,
+            epoch: 3,
+            wait_ms: 2000,
+        },
     ];
     for r in &reqs {
         let b = r.encode();

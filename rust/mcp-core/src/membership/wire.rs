@@ -57,6 +57,16 @@ pub enum Request {
         /// How long the coordinator may hold the answer.
         wait_ms: u32,
     },
+    /// Answered (with a [`Reply::Beat`]) as soon as `epoch` ends, or after `wait_ms`: the
+    /// member hears of a death without waiting for its next heartbeat.
+    Watch {
+        /// The member.
+        id: MemberId,
+        /// The epoch it runs in.
+        epoch: u64,
+        /// How long the coordinator may hold the answer.
+        wait_ms: u32,
+    },
     /// The member leaves the job.
     Leave {
         /// The member.
@@ -276,6 +286,12 @@ impl Request {
                 w.u8(6);
                 w.u64(*id);
             }
+            Request::Watch { id, epoch, wait_ms } => {
+                w.u8(7);
+                w.u64(*id);
+                w.u64(*epoch);
+                w.u32(*wait_ms);
+            }
         }
         frame(w)
     }
@@ -312,6 +328,11 @@ impl Request {
                 wait_ms: r.u32("wait")?,
             },
             6 => Request::Leave { id: r.u64("id")? },
+            7 => Request::Watch {
+                id: r.u64("id")?,
+                epoch: r.u64("epoch")?,
+                wait_ms: r.u32("wait")?,
+            },
             k => {
                 return Err(Error::Protocol(format!(
                     "unknown membership request kind {k}"
