@@ -3,8 +3,10 @@
     MCP_SECRET=... mcp-coordinator --bind 0.0.0.0:29400 [--min-members 2]
 
 It is not a training rank: it forms each epoch's member set, tells the members when one dies
-(silent for ``--dead-after`` seconds) or newcomers wait, and holds nothing the job cannot
-rebuild: restart it and the members tell it their epoch. Prints ``listening on HOST:PORT``
+(its process exited: the kernel closed its TCP tether to this port; or it was silent for
+``--dead-after`` seconds) or newcomers wait, and holds nothing the job cannot rebuild:
+restart it and the members tell it their epoch. It listens on UDP (QUIC) and TCP (tethers)
+at the same port. Prints ``listening on HOST:PORT``
 once it serves, then a line per epoch it forms.
 """
 
