@@ -1,7 +1,9 @@
 """Type stubs of the Rust extension module (rust/mcp-py)."""
 
-from collections.abc import Buffer, Callable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Self, final
+
+from typing_extensions import Buffer
 
 PROTOCOL_MAJOR: int
 PROTOCOL_MINOR: int
@@ -10,6 +12,7 @@ __version__: str
 def reduce_into(dst_ptr: int, src_ptr: int, nbytes: int, dtype: str, op: str) -> None: ...
 def codec_round_trip(ptr: int, nbytes: int, dtype: str, codec: str, block: int = 256) -> None: ...
 
+@final
 class Work:
     def wait(self, timeout: float | None = None) -> bool: ...
     def is_completed(self) -> bool: ...
@@ -17,9 +20,10 @@ class Work:
     def exception(self) -> BaseException | None: ...
     def source_rank(self) -> int | None: ...
 
+@final
 class ProcessGroup:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         rank: int,
         world_size: int,
         master_addr: str,
@@ -39,7 +43,7 @@ class ProcessGroup:
         stall_timeout: float = 60.0,
         allow_generated_secret: bool = False,
         epoch_of: tuple[ElasticMember, int] | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def health(self) -> list[dict[str, Any]]: ...
     def lane_stats(self) -> dict[str, int]: ...
     @property
@@ -165,8 +169,9 @@ def delta_content_hash(data: Buffer) -> int: ...
 def grad_norm(buffers: list[tuple[int, int, str]]) -> tuple[float, bool]: ...
 def scale_(ptr: int, nbytes: int, dtype: str, factor: float) -> None: ...
 
+@final
 class GuardState:
-    def __init__(self, max_norm: float, trip_after: int = 3) -> None: ...
+    def __new__(cls, max_norm: float, trip_after: int = 3) -> Self: ...
     def check(self, norm: float) -> tuple[str, float, int]: ...
     @property
     def consecutive_bad(self) -> int: ...
@@ -174,9 +179,10 @@ class GuardState:
 
 _PieceTuple = tuple[str, int, bytes, dict[str, bytes], tuple[int, float, float], int]
 
+@final
 class PsServer:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         bind: str,
         secret: bytes,
         optimizer: str = "sgd",
@@ -193,7 +199,7 @@ class PsServer:
         register_timeout: float = 300.0,
         chaos: str | None = None,
         restore: tuple[int, list[_PieceTuple], list[int]] | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def local_addr(self) -> str: ...
     @property
@@ -205,9 +211,10 @@ class PsServer:
     def chaos_kill(self) -> None: ...
     def close(self) -> None: ...
 
+@final
 class PsWorker:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         servers: list[str],
         worker: int,
         secret: bytes,
@@ -215,7 +222,7 @@ class PsWorker:
         dead_after: float = 5.0,
         split_above: int = 262144,
         chaos: str | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def worker(self) -> int: ...
     @property
@@ -242,9 +249,10 @@ class PsWorker:
     def chaos_kill(self) -> None: ...
     def close(self) -> None: ...
 
+@final
 class Coordinator:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         bind: str,
         secret: bytes,
         min_members: int = 1,
@@ -252,23 +260,24 @@ class Coordinator:
         join_window: float = 0.2,
         change_limit: float = 60.0,
         rebuild_window: float = 2.0,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def local_addr(self) -> str: ...
     def epoch(self) -> dict[str, Any] | None: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 
+@final
 class ElasticMember:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         coordinator: str,
         secret: bytes,
         spec: str,
         member_id: int,
         heartbeat: float = 0.1,
         connect_timeout: float = 30.0,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def id(self) -> int: ...
     @property

@@ -69,14 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     last = None
     while not stop.wait(0.1):
-        e = c.epoch()
-        if e is not None and e["epoch"] != last:
-            last = e["epoch"]
-            steps = sorted({s for _, s in e["members"]})
-            print(
-                f"epoch {last}: {e['world_size']} members, steps {steps}",
-                flush=True,
-            )
+        epoch = c.epoch()
+        if epoch is not None and epoch["epoch"] != last:
+            last = epoch["epoch"]
+            steps = sorted({s for _, s in epoch["members"]})
+            print(f"epoch {last}: {epoch['world_size']} members, steps {steps}", flush=True)
     c.close()
     return 0
 
