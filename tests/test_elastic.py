@@ -331,3 +331,23 @@ def test_a_worker_killed_on_one_host_is_restarted_by_torchrun_and_heals(tmp_path
     assert r[0]["sha3"] == r[1]["sha3"]
     assert r[0]["final_step"] == r[1]["final_step"] == steps
     assert r[1]["changes"][0]["role"] == "taker", r[1]["changes"]
+
+
+def test_a_closed_coordinator_frees_its_port_for_a_restart():
+    import socket
+
+    c = serve_coordinator("127.0.0.1:0", SECRET)
+    host, port = c.local_addr.rsplit(":", 1)
+    c.close()
+    # The tether listener (TCP, same port) lets go too: a restart here can bind both.
+    end = time.monotonic() + 10
+    while True:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+                t.bind((host, int(port)))
+            break
+        except OSError:
+            assert time.monotonic() < end, "the TCP port stayed taken after close()"
+            time.sleep(0.05)
+    again = serve_coordinator(f"{host}:{port}", SECRET)
+    again.close()

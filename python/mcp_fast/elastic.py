@@ -32,7 +32,7 @@ import numpy as np
 from . import _core
 from .errors import MCPError, MCPTimeoutError
 from .group import Group
-from .settings import Settings, _env_float
+from .settings import Settings, env_float
 
 __all__ = ["ElasticJob", "EpochChange", "serve_coordinator"]
 
@@ -123,7 +123,7 @@ class ElasticJob:
                 "an elastic job needs a job secret, the same on the coordinator and every "
                 "member: set MCP_SECRET (e.g. $(openssl rand -hex 32)) or pass secret=..."
             )
-        hb = heartbeat if heartbeat is not None else _env_float("MCP_ELASTIC_HEARTBEAT")
+        hb = heartbeat if heartbeat is not None else env_float("MCP_ELASTIC_HEARTBEAT")
         self._save, self._load = save, load
         self._rendezvous_timeout = float(rendezvous_timeout)
         self._member = _core.ElasticMember(

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Settings", "env_int"]
+__all__ = ["Settings", "env_float", "env_int"]
 
 
 def _env(name: str, parse: Any, what: str) -> Any:
@@ -38,7 +38,8 @@ def _env(name: str, parse: Any, what: str) -> Any:
         raise ValueError(f"environment variable {name}={v!r} is not {what}") from None
 
 
-def _env_float(name: str) -> float | None:
+def env_float(name: str) -> float | None:
+    """The numeric environment variable ``name``; ``None`` when unset or empty."""
     return _env(name, float, "a number")
 
 
@@ -84,20 +85,20 @@ class Settings:
         """The settings for the given arguments; those left ``None`` come from the
         environment, then from the defaults."""
         s = _first(secret, os.environ.get("MCP_SECRET") or None)
-        timeout = _first(timeout, _env_float("MCP_TIMEOUT"), 300.0)
+        timeout = _first(timeout, env_float("MCP_TIMEOUT"), 300.0)
         chaos = _first(chaos, os.environ.get("MCP_CHAOS") or None)
         return cls(
             secret=s.encode() if isinstance(s, str) else (bytes(s) if s is not None else None),
             timeout=float(timeout),
             connect_timeout=float(
-                _first(connect_timeout, _env_float("MCP_CONNECT_TIMEOUT"), timeout)
+                _first(connect_timeout, env_float("MCP_CONNECT_TIMEOUT"), timeout)
             ),
-            idle_timeout=float(_first(idle_timeout, _env_float("MCP_IDLE_TIMEOUT"), 30.0)),
-            heartbeat=float(_first(heartbeat, _env_float("MCP_HEARTBEAT"), 5.0)),
+            idle_timeout=float(_first(idle_timeout, env_float("MCP_IDLE_TIMEOUT"), 30.0)),
+            heartbeat=float(_first(heartbeat, env_float("MCP_HEARTBEAT"), 5.0)),
             chaos=str(chaos) if chaos is not None else None,
             lane=_first(lane, os.environ.get("MCP_LANE") or None, "auto"),
             resend_limit=int(_first(resend_limit, env_int("MCP_RESEND_LIMIT"), 8)),
-            stall_timeout=float(_first(stall_timeout, _env_float("MCP_STALL_TIMEOUT"), 60.0)),
+            stall_timeout=float(_first(stall_timeout, env_float("MCP_STALL_TIMEOUT"), 60.0)),
             allow_generated_secret=bool(
                 _first(allow_generated_secret, env_int("MCP_ALLOW_GENERATED_SECRET"), 0)
             ),

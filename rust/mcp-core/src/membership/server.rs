@@ -60,7 +60,8 @@ impl Inner {
 /// A running coordinator.
 pub struct CoordinatorServer {
     inner: Arc<Inner>,
-    endpoint: Endpoint,
+    /// Taken by `close`: the last handle dropped frees the UDP port.
+    endpoint: Mutex<Option<Endpoint>>,
     addr: SocketAddr,
 }
 
@@ -101,14 +102,25 @@ impl CoordinatorServer {
             refused: AtomicU64::new(0),
             requests: AtomicU64::new(0),
         });
-        tokio::spawn(accept_loop(inner.clone(), b.endpoint.clone()));
+        tokio::spawn(endpoint::accept_authenticated(
+            b.endpoint.clone(),
+            inner.clone(),
+            |i: &Inner| {
+                i.refused.fetch_add(1, Ordering::Relaxed);
+            },
+            serve_conn,
+        ));
         tokio::spawn(timer(Arc::downgrade(&inner)));
         if let Some(l) = tethers {
-            tokio::spawn(tether_loop(Arc::downgrade(&inner), l));
+            tokio::spawn(tether_loop(
+                Arc::downgrade(&inner),
+                l,
+                inner.version.subscribe(),
+            ));
         }
         Ok(CoordinatorServer {
             inner,
-            endpoint: b.endpoint,
+            endpoint: Mutex::new(Some(b.endpoint)),
             addr,
         })
     }
@@ -144,17 +156,30 @@ impl CoordinatorServer {
             return;
         }
         self.inner.bump();
-        self.endpoint
-            .close(VarInt::from_u32(close_code::GOODBYE), b"coordinator closed");
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        let ep = self
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(ep) = ep {
+            ep.close(VarInt::from_u32(close_code::GOODBYE), b"coordinator closed");
+            let _ = tokio::time::timeout(Duration::from_secs(2), ep.wait_idle()).await;
+        }
     }
 }
 
 impl Drop for CoordinatorServer {
     fn drop(&mut self) {
         self.inner.closing.store(true, Ordering::Release);
-        self.endpoint
-            .close(VarInt::from_u32(close_code::GOODBYE), b"coordinator closed");
+        self.inner.bump();
+        let ep = self
+            .endpoint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(ep) = ep {
+            ep.close(VarInt::from_u32(close_code::GOODBYE), b"coordinator closed");
+        }
     }
 }
 
@@ -166,13 +191,13 @@ async fn timer(inner: std::sync::Weak<Inner>) {
                 return;
             }
             let now = Instant::now();
-            let before = inner.sm().current().map(|e| e.number);
-            let next = {
+            let (changed, next) = {
                 let mut sm = inner.sm();
+                let before = sm.current().map(|e| e.number);
                 sm.handle_timeout(now);
-                sm.poll_timeout()
+                (sm.current().map(|e| e.number) != before, sm.poll_timeout())
             };
-            if inner.sm().current().map(|e| e.number) != before {
+            if changed {
                 inner.bump();
             }
             next.map_or(TICK, |t| t.saturating_duration_since(now).min(TICK))
@@ -185,16 +210,32 @@ async fn timer(inner: std::sync::Weak<Inner>) {
 /// stays open, carrying nothing, until the member's process exits (the kernel closes it,
 /// however the process ends). A tether that closes marks its member dead at once, unless
 /// the member registered again since (a new connection, a new token).
-async fn tether_loop(inner: std::sync::Weak<Inner>, listener: tokio::net::TcpListener) {
+/// `changes` (subscribed before the task starts, so that no change is missed) wakes it at
+/// every change, closing included: a closed coordinator frees the port.
+async fn tether_loop(
+    inner: std::sync::Weak<Inner>,
+    listener: tokio::net::TcpListener,
+    mut changes: watch::Receiver<u64>,
+) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
+        let accepted = tokio::select! {
+            a = listener.accept() => Some(a),
+            _ = changes.changed() => None,
         };
         let Some(i) = inner.upgrade() else { return };
         if i.closing.load(Ordering::Acquire) {
             return;
         }
         drop(i);
+        let stream = match accepted {
+            None => continue,
+            Some(Ok((stream, _))) => stream,
+            Some(Err(_)) => {
+                // Out of descriptors, say: do not spin.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
         let inner = inner.clone();
         tokio::spawn(async move {
             let Ok(Some(token)) = tokio::time::timeout(TETHER_HELLO, read_token(&stream)).await
@@ -211,12 +252,14 @@ async fn tether_loop(inner: std::sync::Weak<Inner>, listener: tokio::net::TcpLis
             };
             wait_closed(&stream).await;
             let Some(i) = inner.upgrade() else { return };
-            let current = i
-                .tokens
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&id)
-                .is_some_and(|t| *t == token);
+            let current = {
+                let mut tokens = i.tokens.lock().unwrap_or_else(|p| p.into_inner());
+                let current = tokens.get(&id).is_some_and(|t| *t == token);
+                if current {
+                    tokens.remove(&id);
+                }
+                current
+            };
             if current && !i.closing.load(Ordering::Acquire) {
                 i.sm().died(Instant::now(), id);
                 i.bump();
@@ -253,27 +296,6 @@ async fn wait_closed(stream: &tokio::net::TcpStream) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(_) => return,
         }
-    }
-}
-
-async fn accept_loop(inner: Arc<Inner>, endpoint: Endpoint) {
-    while let Some(incoming) = endpoint.accept().await {
-        let inner = inner.clone();
-        tokio::spawn(async move {
-            let Ok(conn) = incoming.await else {
-                inner.refused.fetch_add(1, Ordering::Relaxed);
-                return;
-            };
-            if conn.peer_identity().is_none() {
-                inner.refused.fetch_add(1, Ordering::Relaxed);
-                conn.close(
-                    VarInt::from_u32(close_code::AUTH_REQUIRED),
-                    b"a client certificate from the job CA is required",
-                );
-                return;
-            }
-            serve_conn(inner, conn).await;
-        });
     }
 }
 
@@ -373,6 +395,11 @@ async fn answer(inner: &Arc<Inner>, req: Request) -> Reply {
         .await
         .unwrap_or_else(|| Reply::Beat(inner.sm().beat_of(id))),
         Request::Leave { id } => {
+            inner
+                .tokens
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
             inner.sm().leave(now, id);
             inner.bump();
             Reply::Ok

@@ -13,7 +13,7 @@ use super::proto::{ErrorCode, Reply, Request};
 use super::store::{Aggregate, Piece, PieceId, Store};
 use crate::error::{Error, Result};
 use crate::transport::quic::chaos::{ChaosConfig, ChaosStats};
-use crate::transport::quic::close_code;
+use crate::transport::quic::{close_code, endpoint};
 use crate::wire::{Codec, FrameKind};
 use bytes::Bytes;
 use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
@@ -148,7 +148,14 @@ impl PsServer {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         if let Some(ep) = ep {
-            tokio::spawn(accept_loop(server.inner.clone(), ep));
+            tokio::spawn(endpoint::accept_authenticated(
+                ep,
+                server.inner.clone(),
+                |i: &Inner| {
+                    i.refused.fetch_add(1, Ordering::Relaxed);
+                },
+                serve_conn,
+            ));
         }
         Ok(server)
     }
@@ -297,27 +304,6 @@ fn stats(inner: &Inner) -> Vec<(String, u64)> {
         ));
     }
     v.into_iter().map(|(k, n)| (k.to_string(), n)).collect()
-}
-
-async fn accept_loop(inner: Arc<Inner>, endpoint: Endpoint) {
-    while let Some(incoming) = endpoint.accept().await {
-        let inner = inner.clone();
-        tokio::spawn(async move {
-            let Ok(conn) = incoming.await else {
-                inner.refused.fetch_add(1, Ordering::Relaxed);
-                return;
-            };
-            if conn.peer_identity().is_none() {
-                inner.refused.fetch_add(1, Ordering::Relaxed);
-                conn.close(
-                    VarInt::from_u32(close_code::AUTH_REQUIRED),
-                    b"a client certificate from the job CA is required",
-                );
-                return;
-            }
-            serve_conn(inner, conn).await;
-        });
-    }
 }
 
 async fn serve_conn(inner: Arc<Inner>, conn: Connection) {

@@ -288,3 +288,36 @@ pub(crate) fn control_endpoint(
         chaos,
     })
 }
+
+/// Accepts connections on a request/answer endpoint until it closes: each one that completes
+/// the handshake with a client certificate of the job CA is handed to `serve` (in a task of
+/// its own); `refused` counts those that do not.
+pub(crate) async fn accept_authenticated<T, F, Fut>(
+    endpoint: Endpoint,
+    ctx: Arc<T>,
+    refused: fn(&T),
+    serve: F,
+) where
+    T: Send + Sync + 'static,
+    F: Fn(Arc<T>, Connection) -> Fut + Copy + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    while let Some(incoming) = endpoint.accept().await {
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else {
+                refused(&ctx);
+                return;
+            };
+            if conn.peer_identity().is_none() {
+                refused(&ctx);
+                conn.close(
+                    VarInt::from_u32(super::close_code::AUTH_REQUIRED),
+                    b"a client certificate from the job CA is required",
+                );
+                return;
+            }
+            serve(ctx, conn).await;
+        });
+    }
+}
