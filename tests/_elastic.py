@@ -148,6 +148,8 @@ class ElasticRun:
                 str(self.tmp / f"{name}.json"),
                 "--status",
                 str(self.tmp / f"{name}.status"),
+                "--timeline",
+                str(self.tmp / f"{name}.timeline"),
             ],
             env={**self.env, **(env or {})},
             stdout=log,
