@@ -53,7 +53,7 @@ def batch(x: np.ndarray, y: np.ndarray, step: int, size: int = 64) -> tuple[np.n
 
 
 def train(
-    wid: int,
+    wid: int | str,
     servers: list[str],
     secret: str,
     steps: int,
@@ -65,15 +65,17 @@ def train(
     """Train softmax regression for ``steps`` clocks; SIGKILL itself at clock ``die_at``,
     SIGSTOP itself at clock ``freeze_at`` (until someone sends SIGCONT).
 
-    Returns the trace of (clock after step, slowest live clock reported, loss, time)."""
-    x, y = data(seed=wid)
+    ``wid="vacant"`` starts a replacement: it trains on the shard of the id it takes over.
+    Returns the worker id, the clock it started at, the trace of (clock after step, slowest
+    live clock reported, loss, time) and the connection counters."""
     trace = []
-    with ps.Worker(servers, wid, secret=secret, timeout=30, dead_after=dead_after) as w:
+    with ps.Worker(servers, wid, secret=secret, timeout=30, dead_after=dead_after) as w:  # type: ignore[arg-type]
         start_clock = w.clock
+        x, y = data(seed=w.worker_id)
         w.init(init_params())
         for _ in range(steps):
             p = w.pull()
-            loss, g = loss_and_grads(p, *batch(x, y, w.clock + wid))
+            loss, g = loss_and_grads(p, *batch(x, y, w.clock + w.worker_id))
             w.push(g)
             if die_at is not None and w.clock >= die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -83,7 +85,30 @@ def train(
             c = w.step()
             trace.append((c, w.last_min_clock, loss, time.time()))
         counters = w.counters()
-    return {"start_clock": start_clock, "trace": trace, "counters": counters}
+    return {
+        "worker_id": w.worker_id,
+        "generation": w.generation,
+        "start_clock": start_clock,
+        "trace": trace,
+        "counters": counters,
+    }
+
+
+def until_clock(w: ps.Worker, steps: int, die_at: int) -> dict[str, Any]:
+    """The worker function of ``ps.launch`` in the worker-replacement test: trains until clock
+    ``steps``; the first holder of id 1 SIGKILLs itself at clock ``die_at``."""
+    x, y = data(seed=w.worker_id)
+    w.init(init_params())
+    start = w.clock
+    while w.clock < steps:
+        p = w.pull()
+        _, g = loss_and_grads(p, *batch(x, y, w.clock + w.worker_id))
+        w.push(g)
+        if w.worker_id == 1 and w.generation == 0 and w.clock >= die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.01)
+        w.step()
+    return {"generation": w.generation, "start": start, "end": w.clock, "pid": os.getpid()}
 
 
 def launched(w: ps.Worker, steps: int, pause: float) -> dict[str, Any]:

@@ -517,6 +517,112 @@ def test_a_frozen_worker_is_dropped_and_comes_back_when_it_resumes() -> None:
     assert res["w1"]["counters"][1] >= 1, "it reconnected (the server had closed on it)"
 
 
+def _wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def test_a_spare_takes_over_the_id_shard_and_clock_of_a_killed_worker() -> None:
+    s, dead_after, steps = 1, 1.0, 40
+    a = addr()
+    srv = ps.Server(a, secret=SECRET, staleness=s, num_workers=3, lr=0.02, dead_after=dead_after)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+    try:
+        for wid in range(3):
+            die = 6 if wid == 1 else None
+            procs.append(_spawn(ctx, q, f"w{wid}", wid, [a], SECRET, steps, die, 0.01, dead_after))
+        _wait_for(lambda: len(srv.clocks()) == 3, 30, "the three workers registered")
+        # A hot spare: it waits at the server until an id falls vacant.
+        procs.append(_spawn(ctx, q, "spare", "vacant", [a], SECRET, 10, None, 0.0, dead_after))
+        _wait_for(lambda: procs[1].exitcode is not None, 30, "worker 1 killed itself")
+        assert procs[1].exitcode == -signal.SIGKILL
+        res = _collect(q, {"w0", "w2", "spare"}, timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        srv.close()
+    spare = res["spare"]
+    assert (spare["worker_id"], spare["generation"]) == (1, 1), "it took the dead worker's id"
+    assert spare["start_clock"] >= 6, "at the slowest live clock, not at 0"
+    assert len(spare["trace"]) == 10
+    for wid in (0, 2):
+        assert len(res[f"w{wid}"]["trace"]) == steps
+    assert min(c for c, *_ in spare["trace"]) > spare["start_clock"]
+
+
+def test_a_frozen_worker_whose_id_was_taken_over_is_refused_when_it_resumes() -> None:
+    s, dead_after, steps = 1, 1.0, 30
+    a = addr()
+    srv = ps.Server(a, secret=SECRET, staleness=s, num_workers=2, lr=0.02, dead_after=dead_after)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [
+        _spawn(ctx, q, "w0", 0, [a], SECRET, steps, None, 0.01, dead_after),
+        _spawn(ctx, q, "w1", 1, [a], SECRET, steps, None, 0.0, dead_after, 3),
+    ]
+    try:
+        _wait_for(
+            lambda: any(w == 1 and not live for w, _, live in srv.clocks()),
+            30,
+            "the frozen worker 1 was dropped",
+        )
+        procs.append(_spawn(ctx, q, "spare", "vacant", [a], SECRET, 10, None, 0.0, dead_after))
+        _wait_for(
+            lambda: any(w == 1 and live for w, _, live in srv.clocks()), 30, "the spare took id 1"
+        )
+        os.kill(procs[1].pid, signal.SIGCONT)  # type: ignore[arg-type]
+        out: dict[str, Any] = {}
+        deadline = time.monotonic() + 60
+        while len(out) < 3 and time.monotonic() < deadline:
+            try:
+                tag, status, value = q.get(timeout=0.5)
+                out[tag] = (status, value)
+            except Exception:
+                continue
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        srv.close()
+    assert out["w0"][0] == "ok" and len(out["w0"][1]["trace"]) == steps
+    assert out["spare"][0] == "ok" and out["spare"][1]["worker_id"] == 1
+    status, err = out["w1"]
+    assert status == "err" and err.startswith("SupersededError"), err
+    assert "taken over" in err and "vacant" in err, err
+
+
+def test_launch_replaces_a_killed_worker_with_one_that_takes_its_id() -> None:
+    res = ps.launch(
+        ps_workers.until_clock,
+        num_workers=3,
+        args=(40, 8),
+        server_kwargs={"lr": 0.02, "staleness": 1, "dead_after": 1.0},
+        worker_kwargs={"timeout": 30.0, "dead_after": 1.0},
+        restart_workers=1,
+        timeout=90,
+    )
+    assert [r["end"] for r in res] == [40, 40, 40]
+    assert [r["generation"] for r in res] == [0, 1, 0], "id 1 is held by its replacement"
+    assert res[1]["start"] >= 8, "the replacement started where the dead worker was"
+    assert len({r["pid"] for r in res}) == 3
+
+
+def test_a_vacant_id_is_refused_in_the_binding_for_bad_values() -> None:
+    with pytest.raises(ValueError, match="vacant"):
+        ps.Worker([addr()], worker_id="spare", secret=SECRET)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="vacant"):
+        ps.Worker([addr()], worker_id=-1, secret=SECRET)
+
+
 def _kill_server_when_checkpointed(ckpt: Path, slot: int, killed: list[float]) -> None:
     manifest = ckpt / f"server-{slot}" / "MANIFEST.json"
     deadline = time.monotonic() + 30

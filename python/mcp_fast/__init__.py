@@ -18,6 +18,7 @@ from .errors import (
     PeerStalledError,
     ProtocolError,
     SpecMismatchError,
+    SupersededError,
     VersionMismatchError,
 )
 from .group import Chaos, Group, Work, init
@@ -45,6 +46,7 @@ __all__ = [
     "PeerStalledError",
     "ProtocolError",
     "SpecMismatchError",
+    "SupersededError",
     "VersionMismatchError",
     "Work",
     "__version__",

@@ -216,7 +216,7 @@ class PsWorker:
     def __new__(
         cls,
         servers: list[str],
-        worker: int,
+        worker: int | None,
         secret: bytes,
         timeout: float = 60.0,
         dead_after: float = 5.0,
@@ -225,6 +225,8 @@ class PsWorker:
     ) -> Self: ...
     @property
     def worker(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
     @property
     def clock(self) -> int: ...
     def set_tensors(self, tensors: list[tuple[str, int]]) -> list[tuple[str, int, int, int]]: ...

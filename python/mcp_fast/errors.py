@@ -73,6 +73,12 @@ class GroupClosedError(MCPError):
     """The group was closed or aborted before the operation could run."""
 
 
+class SupersededError(MCPError):
+    """This process's worker id was taken over by a replacement while it was dropped as dead
+    (it was frozen or cut off for longer than ``dead_after``). It must stop: its place, data
+    shard included, belongs to the replacement now."""
+
+
 class GradientError(MCPError):
     """The gradient-norm guard tripped with policy ``"raise"``: several steps in a row had a
     norm above ``max_norm`` or a NaN/Inf.
@@ -98,5 +104,6 @@ __all__ = [
     "PeerStalledError",
     "ProtocolError",
     "SpecMismatchError",
+    "SupersededError",
     "VersionMismatchError",
 ]

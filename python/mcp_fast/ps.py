@@ -37,14 +37,20 @@ clocks below ``c - s``. ``s = 0`` is fully synchronous. :meth:`Worker.sync` is a
 
 Failures: a worker whose connection falls silent for ``dead_after`` seconds (killed, frozen,
 cut off) is dropped from the minimum, so the others go on; it can rejoin (a new ``Worker``
-with the same id), at the slowest live clock. A server saves its shard with the delta
-checkpointer (``checkpoint_dir``, every ``checkpoint_every`` seconds); a standby started with
-``restore=True`` on the same address (``launch`` does it) reloads the latest checkpoint, and
-the workers reconnect with backoff (0.5 s doubling to 5 s, jitter) and carry on; the workers
-live at the checkpoint hold the standby's staleness minimum until they have registered again
-(or ``2 * dead_after + 6`` s have passed). What is lost
-is stated in the README: every update that server applied after its last checkpoint, and the
-gradients pushed to it for clocks it had not yet applied.
+with the same id), at the slowest live clock. A replacement that does not know which worker
+died starts with ``worker_id="vacant"``: server 0 gives it the lowest vacant id (a worker
+dropped as dead, or one never registered; it waits until one falls vacant), and it takes
+over that worker's place and data shard (``worker.worker_id``) at the slowest live clock
+(``worker.clock``). The dead process, should it come back (it was only frozen), is refused
+with ``SupersededError``. ``launch(..., restart_workers=N)`` starts such replacements.
+
+A server saves its shard with the delta checkpointer (``checkpoint_dir``, every
+``checkpoint_every`` seconds); a standby started with ``restore=True`` on the same address
+(``launch`` does it) reloads the latest checkpoint, and the workers reconnect with backoff
+(0.5 s doubling to 5 s, jitter) and carry on; the workers live at the checkpoint hold the
+standby's staleness minimum until they have registered again (or ``2 * dead_after + 6`` s
+have passed). What is lost is stated in the README: every update that server applied after
+its last checkpoint, and the gradients pushed to it for clocks it had not yet applied.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -298,15 +304,18 @@ class Worker:
     and pull at once; one thread should call :meth:`step`).
 
     ``servers``: ``"host:port"`` of every server slot, the same list in every worker.
-    ``worker_id`` defaults to ``RANK``. ``timeout`` bounds every operation, retries and
-    reconnections included (``MCPTimeoutError``/``PeerLostError`` after it). ``codec``
-    (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``) encodes pushed gradients.
+    ``worker_id`` defaults to ``RANK``; ``"vacant"`` takes over the lowest vacant id (a
+    replacement for a dead worker: read its id and clock from :attr:`worker_id` and
+    :attr:`clock`; it waits up to ``timeout`` for an id to fall vacant). ``timeout`` bounds
+    every operation, retries and reconnections included
+    (``MCPTimeoutError``/``PeerLostError`` after it). ``codec`` (``"none"``, ``"fp16"``,
+    ``"bf16"``, ``"int8"``) encodes pushed gradients.
     """
 
     def __init__(
         self,
         servers: Sequence[str] | str,
-        worker_id: int | None = None,
+        worker_id: int | Literal["vacant"] | None = None,
         *,
         secret: str | bytes | None = None,
         timeout: float = 60.0,
@@ -320,8 +329,12 @@ class Worker:
             servers = [s for s in servers.split(",") if s]
         if worker_id is None:
             worker_id = int(os.environ.get("RANK", "0"))
-        if worker_id < 0:
-            raise ValueError(f"worker_id must be >= 0, got {worker_id}")
+        if worker_id == "vacant":
+            wid: int | None = None
+        elif isinstance(worker_id, int) and worker_id >= 0:
+            wid = worker_id
+        else:
+            raise ValueError(f'worker_id must be an int >= 0 or "vacant", got {worker_id!r}')
         self.codec = codec
         self.block = block
         self._specs: dict[str, _Spec] = {}
@@ -330,7 +343,7 @@ class Worker:
         """The slowest live clock the servers reported at the last :meth:`step`."""
         self.core = _core.PsWorker(
             list(servers),
-            worker_id,
+            wid,
             _secret_bytes(secret),
             timeout=timeout,
             dead_after=dead_after,
@@ -340,7 +353,13 @@ class Worker:
 
     @property
     def worker_id(self) -> int:
+        """This worker's id: its place in the job and its data shard."""
         return self.core.worker
+
+    @property
+    def generation(self) -> int:
+        """How many replacements have held this id before (0 for the first holder)."""
+        return self.core.generation
 
     @property
     def clock(self) -> int:
@@ -465,14 +484,19 @@ def _server_main(kwargs: dict[str, Any], ready: Any) -> None:
 
 
 def _worker_main(
-    fn: Callable[..., Any], wid: int, kwargs: dict[str, Any], args: tuple, q: Any
+    fn: Callable[..., Any],
+    wid: int | Literal["vacant"],
+    kwargs: dict[str, Any],
+    args: tuple,
+    q: Any,
+    tag: int,
 ) -> None:
     try:
         with Worker(worker_id=wid, **kwargs) as w:
             result = fn(w, *args)
-        q.put((wid, "ok", result))
+        q.put((tag, w.worker_id, "ok", result))
     except BaseException as e:
-        q.put((wid, "err", f"{type(e).__name__}: {e}"))
+        q.put((tag, wid, "err", f"{type(e).__name__}: {e}"))
         raise
 
 
@@ -505,6 +529,7 @@ def launch(
     worker_kwargs: Mapping[str, Any] | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     restart_servers: bool = True,
+    restart_workers: int = 0,
     timeout: float = 600.0,
 ) -> list[Any]:
     """Runs ``fn(worker, *args)`` in ``num_workers`` processes against ``num_servers`` server
@@ -513,7 +538,11 @@ def launch(
     ``fn`` must be importable (a module-level function): processes are started with 'spawn'.
     With ``checkpoint_dir``, server ``i`` checkpoints into ``checkpoint_dir/server-i``; a server
     process that dies is replaced by a standby on the same address that restores the latest
-    checkpoint (``restart_servers``). A failed worker raises ``RuntimeError`` with its error.
+    checkpoint (``restart_servers``). A worker process that dies (killed, crashed) is
+    replaced by a new process that takes over its id, data shard and clock
+    (``worker_id="vacant"``), up to ``restart_workers`` times in all; ``fn`` should then run
+    from ``worker.clock`` on (e.g. ``while worker.clock < steps``). A worker that fails
+    otherwise raises ``RuntimeError`` with its error.
     """
     ctx = mp.get_context("spawn")
     sec = Settings.resolve(secret=secret).secret
@@ -550,25 +579,42 @@ def launch(
 
     servers = [start_server(i, restore=False) for i in range(num_servers)]
     q = ctx.Queue()
-    workers = [
-        ctx.Process(target=_worker_main, args=(fn, w, wkw, args, q), daemon=True)
-        for w in range(num_workers)
-    ]
-    for p in workers:
+    workers: list[Any] = []
+
+    def start_worker(wid: int | Literal["vacant"]) -> None:
+        p = ctx.Process(
+            target=_worker_main, args=(fn, wid, wkw, args, q, len(workers)), daemon=True
+        )
+        workers.append(p)
         p.start()
+
+    for w in range(num_workers):
+        start_worker(w)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    answered: set[int] = set()
+    replaced: set[int] = set()
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < num_workers and time.monotonic() < deadline:
             try:
-                wid, status, value = q.get(timeout=0.2)
-                (results if status == "ok" else errors)[wid] = value
+                tag, wid, status, value = q.get(timeout=0.2)
+                answered.add(tag)
+                if status == "ok":
+                    results[wid] = value
+                else:
+                    errors[tag] = value
             except Exception:
                 pass
-            for w, p in enumerate(workers):
-                if w not in results and w not in errors and p.exitcode not in (None, 0):
-                    errors[w] = f"worker process exited with code {p.exitcode}"
+            for tag, p in enumerate(workers):
+                if tag in answered or tag in replaced or p.exitcode in (None, 0):
+                    continue
+                if restart_workers > 0:
+                    restart_workers -= 1
+                    replaced.add(tag)
+                    start_worker("vacant")
+                else:
+                    errors[tag] = f"worker process exited with code {p.exitcode}"
             for i, p in enumerate(servers):
                 if p.exitcode is not None and p.exitcode != 0 and restart_servers:
                     if checkpoint_dir is None:
@@ -588,7 +634,7 @@ def launch(
     if errors:
         raise RuntimeError(
             "parameter-server workers failed: "
-            + "; ".join(f"worker {w}: {e}" for w, e in sorted(errors.items()))
+            + "; ".join(f"worker process {t}: {e}" for t, e in sorted(errors.items()))
         )
     if len(results) < num_workers:
         raise TimeoutError(f"workers did not finish within {timeout} s")

@@ -67,6 +67,9 @@ pub enum Error {
     /// The group was closed or aborted.
     #[error("the group is closed: {0}")]
     Closed(String),
+    /// A replacement took this process's place (its worker id) while it was dropped as dead.
+    #[error("superseded: {0}")]
+    Superseded(String),
 }
 
 impl Error {

@@ -1,6 +1,7 @@
 //! The parameter server end to end over real QUIC sockets on 127.0.0.1, all in one process:
 //! registration, split tensors across two servers, push / advance / pull at s = 0, the
-//! one-round-trip step, and refusal of a worker without the job secret.
+//! one-round-trip step, refusal of a worker without the job secret, and replacements that
+//! claim a vacant worker id.
 
 use mcp_core::ps::sgd::SgdConfig;
 use mcp_core::ps::{ClientConfig, Optimizer, PsClient, PsServer, ServerConfig};
@@ -29,7 +30,7 @@ async fn server(workers: usize) -> PsServer {
 fn client(servers: Vec<SocketAddr>, worker: u32, secret: &[u8]) -> ClientConfig {
     ClientConfig {
         servers,
-        worker,
+        worker: Some(worker),
         secret: secret.to_vec(),
         timeout: Duration::from_secs(10),
         dead_after: Duration::from_secs(2),
@@ -171,4 +172,57 @@ async fn a_forgotten_worker_registers_again_on_its_connection() {
     );
     a.close().await;
     s.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_claims_the_vacant_id_on_every_server_and_the_old_one_is_fenced() {
+    let (s0, s1) = (server(2).await, server(2).await);
+    let addrs = vec![
+        s0.local_addr().expect("addr"),
+        s1.local_addr().expect("addr"),
+    ];
+    let spare = |timeout: Duration| ClientConfig {
+        worker: None,
+        timeout,
+        ..client(addrs.clone(), 0, SECRET)
+    };
+    // Worker 0 by its id, a second process without one: it gets id 1, the one never taken.
+    let (a, b) = tokio::join!(
+        PsClient::connect(client(addrs.clone(), 0, SECRET)),
+        PsClient::connect(spare(Duration::from_secs(10)))
+    );
+    let (a, b) = (a.expect("worker 0"), b.expect("spare"));
+    assert_eq!((b.worker(), b.generation()), (1, 1));
+    let (ra, rb) = tokio::join!(run(a.clone(), 0), run(b.clone(), 1));
+    assert_eq!(ra, rb, "both hold the same parameters");
+    assert!(ra.1.iter().all(|&x| x == -0.5), "{:?}", &ra.1[..4]);
+    // Nothing is vacant while both are live: a third waits, then times out, naming why.
+    let r = PsClient::connect(spare(Duration::from_millis(1500))).await;
+    match r {
+        Err(Error::Timeout { what, .. }) => assert!(what.contains("no vacant worker id"), "{what}"),
+        other => panic!("expected a timeout, got {:?}", other.err()),
+    }
+    // Worker 1 dies (its connections close without a goodbye): a waiting spare takes its id,
+    // generation 2, at the slowest live clock, on both servers.
+    let waiting = tokio::spawn(PsClient::connect(spare(Duration::from_secs(10))));
+    drop(b);
+    let c = waiting.await.expect("task").expect("replacement");
+    assert_eq!((c.worker(), c.generation(), c.clock()), (1, 2, 2));
+    for s in [&s0, &s1] {
+        assert!(s.clocks().contains(&(1, 2, true)), "{:?}", s.clocks());
+    }
+    // A process that holds id 1 by number (generation 0, like the dead one had) is refused.
+    let old = PsClient::connect(client(addrs.clone(), 1, SECRET)).await;
+    assert!(
+        matches!(&old, Err(Error::Superseded(m)) if m.contains("taken over")),
+        "{:?}",
+        old.err()
+    );
+    // A worker that leaves is done: its id is not vacant.
+    a.close().await;
+    let r = PsClient::connect(spare(Duration::from_millis(800))).await;
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{:?}", r.err());
+    c.close().await;
+    s0.close().await;
+    s1.close().await;
 }

@@ -43,6 +43,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::InvalidArgument(m) => PyValueError::new_err(m),
         Error::Protocol(_) => exception(py, "ProtocolError", msg, None),
         Error::Closed(_) => exception(py, "GroupClosedError", msg, None),
+        Error::Superseded(_) => exception(py, "SupersededError", msg, None),
         Error::Io(_) => exception(py, "MCPError", msg, None),
     }
 }

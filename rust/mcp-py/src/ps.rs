@@ -292,6 +292,7 @@ pub struct PsWorker {
 #[pymethods]
 impl PsWorker {
     /// Connects to every server and registers (waits for the other workers at start).
+    /// `worker=None`: a replacement, which claims a vacant id (waiting for one).
     #[new]
     #[pyo3(signature = (servers, worker, secret, timeout=60.0, dead_after=5.0,
                         split_above=1<<18, chaos=None))]
@@ -299,7 +300,7 @@ impl PsWorker {
     fn new(
         py: Python<'_>,
         servers: Vec<String>,
-        worker: u32,
+        worker: Option<u32>,
         secret: Vec<u8>,
         timeout: f64,
         dead_after: f64,
@@ -326,6 +327,12 @@ impl PsWorker {
     #[getter]
     fn worker(&self) -> u32 {
         self.inner.worker()
+    }
+
+    /// The generation of the id this worker holds (0 unless it claimed a vacant one).
+    #[getter]
+    fn generation(&self) -> u64 {
+        self.inner.generation()
     }
 
     /// Steps finished.

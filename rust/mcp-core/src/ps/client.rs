@@ -6,6 +6,10 @@
 //! retried with exponential backoff and jitter (0.5 s base, 5 s cap) on a fresh connection
 //! until the operation's timeout; each fresh connection registers the worker again at its
 //! current clock, so a server restored from a checkpoint learns the live workers back.
+//!
+//! A replacement for a dead worker starts without an id: it claims one from server slot 0
+//! (the lowest vacant id, waiting until one falls vacant), takes that worker's place at the
+//! slowest live clock, and registers with every other server under the claim's generation.
 
 use super::net::{self, Head};
 use super::proto::{ErrorCode, Reply, Request};
@@ -20,7 +24,7 @@ use crate::DType;
 use bytes::Bytes;
 use quinn::{Connection, Endpoint, VarInt};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -29,8 +33,9 @@ use std::time::{Duration, Instant};
 pub struct ClientConfig {
     /// Server addresses by slot.
     pub servers: Vec<SocketAddr>,
-    /// This worker's id (0-based, unique in the job).
-    pub worker: u32,
+    /// This worker's id (0-based, unique in the job); `None` for a replacement, which takes
+    /// over a vacant id (and its data shard) from the servers.
+    pub worker: Option<u32>,
     /// The job secret.
     pub secret: Vec<u8>,
     /// Bound on every operation, retries included.
@@ -65,6 +70,10 @@ pub struct PsClient {
     slots: Vec<Slot>,
     map: RwLock<Option<Arc<ShardMap>>>,
     clock: AtomicU64,
+    /// The worker id (claimed at connect for a replacement).
+    worker: AtomicU32,
+    /// The id's generation this worker holds (0 unless it claimed the id).
+    generation: AtomicU64,
     next_id: AtomicU64,
     closed: AtomicBool,
     kill: Arc<AtomicBool>,
@@ -117,6 +126,8 @@ impl PsClient {
             client_cfg: b.client,
             map: RwLock::new(None),
             clock: AtomicU64::new(0),
+            worker: AtomicU32::new(cfg.worker.unwrap_or(u32::MAX)),
+            generation: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             kill: b.kill,
@@ -126,6 +137,9 @@ impl PsClient {
             cfg,
         });
         let deadline = Instant::now() + c.cfg.timeout;
+        if c.cfg.worker.is_none() {
+            c.claim(deadline).await?;
+        }
         let mut tasks = Vec::new();
         for slot in 0..c.slots.len() {
             let c2 = c.clone();
@@ -150,7 +164,108 @@ impl PsClient {
 
     /// This worker's id.
     pub fn worker(&self) -> u32 {
-        self.cfg.worker
+        self.worker.load(Ordering::Acquire)
+    }
+
+    /// The generation of the id this worker holds (0 unless it claimed a vacant one).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    fn register_request(&self) -> Request {
+        Request::Register {
+            clock: self.clock(),
+            generation: self.generation(),
+        }
+    }
+
+    /// Claims a vacant worker id from server slot 0 (which serialises claims), waiting
+    /// until one falls vacant or `deadline`; the connection it claimed on becomes slot 0's.
+    async fn claim(&self, deadline: Instant) -> Result<()> {
+        let s = self
+            .slots
+            .first()
+            .ok_or_else(|| Error::InvalidArgument("no parameter server given".into()))?;
+        let mut g = s.conn.lock().await;
+        let mut backoff = Backoff::default();
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return Err(Error::Closed("the worker was closed".into()));
+            }
+            let addr = self.servers().addrs[0];
+            let left = deadline.saturating_duration_since(Instant::now());
+            // Held by the server at most this long, so that a lost server is noticed.
+            let wait = left.min(Duration::from_secs(5));
+            let attempt = async {
+                let conn = self.dial(0, addr).await?;
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                let rep = self
+                    .exchange(
+                        &conn,
+                        0,
+                        id,
+                        &Request::Claim { wait },
+                        Codec::None,
+                        0,
+                        Bytes::new(),
+                        Sink::None,
+                    )
+                    .await?;
+                Ok::<_, Error>((conn, rep))
+            };
+            let res = tokio::time::timeout(wait + Duration::from_secs(5), attempt).await;
+            let err = match res {
+                Ok(Ok((
+                    conn,
+                    Reply::Claimed {
+                        worker,
+                        generation,
+                        clock,
+                    },
+                ))) => {
+                    self.worker.store(worker, Ordering::Release);
+                    self.generation.store(generation, Ordering::Release);
+                    self.clock.fetch_max(clock, Ordering::AcqRel);
+                    *g = Some(conn);
+                    return Ok(());
+                }
+                Ok(Ok((conn, Reply::Error { code, message }))) => {
+                    conn.close(VarInt::from_u32(0), b"claim refused");
+                    let e = Reply::into_error(code, message, &addr.to_string());
+                    if code != ErrorCode::Timeout {
+                        return Err(e);
+                    }
+                    // Nothing vacant yet: ask again at once, until the deadline.
+                    backoff = Backoff::default();
+                    e
+                }
+                Ok(Ok((conn, other))) => {
+                    conn.close(VarInt::from_u32(0), b"bad reply");
+                    return Err(Error::Protocol(format!(
+                        "unexpected reply to claim: {other:?}"
+                    )));
+                }
+                Ok(Err(
+                    e @ (Error::Authentication { .. }
+                    | Error::VersionMismatch { .. }
+                    | Error::InvalidArgument(_)),
+                )) => return Err(e),
+                Ok(Err(e)) => {
+                    tokio::time::sleep(backoff.next_delay()).await;
+                    e
+                }
+                Err(_) => Error::Timeout {
+                    what: format!("claim at parameter server 0 ({addr}): no answer"),
+                    after: wait,
+                },
+            };
+            if Instant::now() >= deadline {
+                return Err(match err {
+                    e @ Error::Timeout { .. } => e,
+                    e => lost_server(0, "claim", e.to_string()),
+                });
+            }
+        }
     }
 
     /// This worker's clock (steps finished).
@@ -279,9 +394,7 @@ impl PsClient {
                 }
             };
             // Register at our clock before anything else goes over this connection.
-            let reg = Request::Register {
-                clock: self.clock(),
-            };
+            let reg = self.register_request();
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(
                 left,
@@ -367,7 +480,7 @@ impl PsClient {
             &mut send,
             FrameKind::PsRequest,
             id,
-            self.cfg.worker,
+            self.worker(),
             req.op(),
             codec,
             numel,
@@ -463,9 +576,7 @@ impl PsClient {
                     // on this connection (other requests may be using it) and retry.
                     forgotten += 1;
                     self.retries.fetch_add(1, Ordering::Relaxed);
-                    let reg = Request::Register {
-                        clock: self.clock(),
-                    };
+                    let reg = self.register_request();
                     let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
                     match self
                         .exchange(

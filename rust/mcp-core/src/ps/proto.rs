@@ -8,7 +8,9 @@
 //! CRC32C covers both, so a flipped bit anywhere is caught.
 //!
 //! ```text
-//! Register  clock                      -> Clock
+//! Register  clock generation           -> Clock       (generation: 0, or the claim's)
+//! Claim     wait_ms                    -> Claimed worker generation clock
+//!                                         (a replacement takes a vacant id; waits for one)
 //! Init      key offset   + f32 data    -> Ok
 //! Push      clock key offset + data    -> Ok          (data coded with the frame's codec)
 //! Pull      key offset len             -> Data applied + f32 data
@@ -37,6 +39,15 @@ pub enum Request {
     Register {
         /// The worker's clock.
         clock: u64,
+        /// The id's generation this worker holds: 0, or what its [`Request::Claim`] got.
+        generation: u64,
+    },
+    /// A replacement asks for a vacant worker id (one whose worker died, or one never
+    /// registered); the server registers it there and answers [`Reply::Claimed`]. Waits up
+    /// to `wait` for an id to fall vacant.
+    Claim {
+        /// How long the server may hold the request before answering `Timeout`.
+        wait: Duration,
     },
     /// Create a piece with the data section's values, unless it exists.
     Init {
@@ -102,11 +113,13 @@ mod op {
     pub const LEAVE: u32 = 6;
     pub const STATS: u32 = 7;
     pub const STEP: u32 = 8;
+    pub const CLAIM: u32 = 9;
     pub const R_OK: u32 = 64;
     pub const R_CLOCK: u32 = 65;
     pub const R_DATA: u32 = 66;
     pub const R_STATS: u32 = 67;
     pub const R_ERROR: u32 = 68;
+    pub const R_CLAIMED: u32 = 69;
 }
 
 /// Why a server refused a request.
@@ -127,6 +140,8 @@ pub enum ErrorCode {
     Closed = 6,
     /// Anything else.
     Other = 7,
+    /// A replacement holds the worker's id now.
+    Superseded = 8,
 }
 
 impl ErrorCode {
@@ -139,6 +154,7 @@ impl ErrorCode {
             NotLive,
             Protocol,
             Closed,
+            Superseded,
         ]
         .into_iter()
         .find(|k| *k as u8 == c)
@@ -153,6 +169,7 @@ impl ErrorCode {
             Error::Timeout { .. } => ErrorCode::Timeout,
             Error::Protocol(_) => ErrorCode::Protocol,
             Error::Closed(_) => ErrorCode::Closed,
+            Error::Superseded(_) => ErrorCode::Superseded,
             _ => ErrorCode::Other,
         }
     }
@@ -179,6 +196,15 @@ pub enum Reply {
     },
     /// Counters by name.
     Stats(Vec<(String, u64)>),
+    /// The vacant id a [`Request::Claim`] took, registered live.
+    Claimed {
+        /// The worker id (and with it the data shard) the replacement takes over.
+        worker: u32,
+        /// Its generation: registrations of older ones are refused from now on.
+        generation: u64,
+        /// The clock it starts at.
+        clock: u64,
+    },
     /// Refused.
     Error {
         /// Why.
@@ -201,6 +227,7 @@ impl Reply {
             },
             ErrorCode::Protocol => Error::Protocol(m),
             ErrorCode::Closed => Error::Closed(m),
+            ErrorCode::Superseded => Error::Superseded(m),
             ErrorCode::NotLive | ErrorCode::Other => Error::Io(m),
         }
     }
@@ -287,6 +314,7 @@ impl Request {
     pub fn op(&self) -> u32 {
         match self {
             Request::Register { .. } => op::REGISTER,
+            Request::Claim { .. } => op::CLAIM,
             Request::Init { .. } => op::INIT,
             Request::Push { .. } => op::PUSH,
             Request::Pull { .. } => op::PULL,
@@ -301,6 +329,7 @@ impl Request {
     pub fn name(&self) -> &'static str {
         match self {
             Request::Register { .. } => "register",
+            Request::Claim { .. } => "claim",
             Request::Init { .. } => "init",
             Request::Push { .. } => "push",
             Request::Pull { .. } => "pull",
@@ -314,7 +343,13 @@ impl Request {
     /// Appends the metadata.
     pub fn encode_meta(&self, out: &mut Vec<u8>) -> Result<()> {
         match self {
-            Request::Register { clock } => put_u64(out, *clock),
+            Request::Register { clock, generation } => {
+                put_u64(out, *clock);
+                put_u64(out, *generation);
+            }
+            Request::Claim { wait } => {
+                put_u64(out, wait.as_millis().min(u64::MAX as u128) as u64);
+            }
             Request::Init { key, offset } => {
                 put_key(out, key)?;
                 put_u64(out, *offset);
@@ -374,7 +409,13 @@ impl Request {
     pub fn decode(op: u32, meta: &[u8]) -> Result<Request> {
         let mut r = Reader { b: meta };
         let req = match op {
-            op::REGISTER => Request::Register { clock: r.u64()? },
+            op::REGISTER => Request::Register {
+                clock: r.u64()?,
+                generation: r.u64()?,
+            },
+            op::CLAIM => Request::Claim {
+                wait: Duration::from_millis(r.u64()?),
+            },
             op::INIT => Request::Init {
                 key: r.string()?,
                 offset: r.u64()?,
@@ -445,6 +486,7 @@ impl Reply {
             Reply::Clock { .. } => op::R_CLOCK,
             Reply::Data { .. } => op::R_DATA,
             Reply::Stats(_) => op::R_STATS,
+            Reply::Claimed { .. } => op::R_CLAIMED,
             Reply::Error { .. } => op::R_ERROR,
         }
     }
@@ -463,6 +505,15 @@ impl Reply {
                 put_u64(out, *applied);
             }
             Reply::Data { applied } => put_u64(out, *applied),
+            Reply::Claimed {
+                worker,
+                generation,
+                clock,
+            } => {
+                put_u64(out, u64::from(*worker));
+                put_u64(out, *generation);
+                put_u64(out, *clock);
+            }
             Reply::Stats(kv) => {
                 out.extend_from_slice(&(kv.len().min(u16::MAX as usize) as u16).to_le_bytes());
                 for (k, v) in kv.iter().take(u16::MAX as usize) {
@@ -498,6 +549,12 @@ impl Reply {
                 applied: r.u64()?,
             },
             op::R_DATA => Reply::Data { applied: r.u64()? },
+            op::R_CLAIMED => Reply::Claimed {
+                worker: u32::try_from(r.u64()?)
+                    .map_err(|_| Error::Protocol("claimed worker id out of range".into()))?,
+                generation: r.u64()?,
+                clock: r.u64()?,
+            },
             op::R_STATS => {
                 let n = r.u16()? as usize;
                 let mut kv = Vec::with_capacity(n);
@@ -531,7 +588,13 @@ mod tests {
 
     fn requests() -> Vec<Request> {
         vec![
-            Request::Register { clock: 7 },
+            Request::Register {
+                clock: 7,
+                generation: 2,
+            },
+            Request::Claim {
+                wait: Duration::from_millis(2500),
+            },
             Request::Init {
                 key: "layer.0.weight".into(),
                 offset: 4096,
@@ -599,6 +662,15 @@ mod tests {
             Reply::Error {
                 code: ErrorCode::NotLive,
                 message: "register again".into(),
+            },
+            Reply::Claimed {
+                worker: 3,
+                generation: 1,
+                clock: 17,
+            },
+            Reply::Error {
+                code: ErrorCode::Superseded,
+                message: "taken over".into(),
             },
         ] {
             let mut m = Vec::new();

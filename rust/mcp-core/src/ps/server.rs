@@ -434,16 +434,22 @@ async fn answer(
         }
         head.verify(&[])?;
     }
+    // Only the connection that holds the id may move its clock: a process that was dropped
+    // as dead and replaced must register again (and is then refused as superseded).
+    let moves_clock = matches!(
+        req,
+        Request::Push { .. } | Request::Advance { .. } | Request::Step { .. }
+    );
+    if moves_clock {
+        let owner = inner.owner.lock().unwrap_or_else(|p| p.into_inner());
+        if owner.get(&w) != Some(&conn_id) {
+            return Ok((not_live(w), Bytes::new()));
+        }
+    }
     match req {
-        Request::Register { clock } => {
-            *worker_slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(w);
-            inner
-                .owner
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(w, conn_id);
-            inner.store().register(w, clock)?;
-            inner.bump();
+        Request::Register { clock, generation } => {
+            inner.store().register(w, clock, generation)?;
+            take_id(inner, conn_id, worker_slot, w);
             // Wait for the expected workers (all of them at start, bounded after a restore).
             let restored = inner.expect.load(Ordering::Acquire) == 0;
             let limit = if restored {
@@ -612,17 +618,69 @@ async fn answer(
             }
             Ok((rep, Bytes::from(out)))
         }
+        Request::Claim { wait } => claim(inner, conn_id, worker_slot, wait).await,
         Request::Leave => {
             inner
                 .owner
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&w);
-            inner.store().drop_worker(w)?;
+            inner.store().leave(w)?;
             inner.bump();
             Ok((Reply::Ok, Bytes::new()))
         }
         Request::Stats => Ok((Reply::Stats(stats(inner)), Bytes::new())),
+    }
+}
+
+/// Records that connection `conn_id` holds worker id `w` (a newer registration replaces an
+/// older one) and wakes the waiters.
+fn take_id(inner: &Inner, conn_id: u64, worker_slot: &Mutex<Option<u32>>, w: u32) {
+    *worker_slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(w);
+    inner
+        .owner
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(w, conn_id);
+    inner.bump();
+}
+
+/// Gives a replacement the lowest vacant worker id (see [`Store::claim`]), waiting up to
+/// `wait` for one to fall vacant; the id is registered live on this connection.
+async fn claim(
+    inner: &Arc<Inner>,
+    conn_id: u64,
+    worker_slot: &Mutex<Option<u32>>,
+    wait: Duration,
+) -> Result<(Reply, Bytes)> {
+    let expected = u32::try_from(inner.cfg.num_workers).unwrap_or(u32::MAX);
+    let deadline = Instant::now() + wait;
+    let mut rx = inner.changed.subscribe();
+    loop {
+        rx.borrow_and_update();
+        let got = inner.store().claim(expected)?;
+        if let Some((worker, generation, clock)) = got {
+            take_id(inner, conn_id, worker_slot, worker);
+            return Ok((
+                Reply::Claimed {
+                    worker,
+                    generation,
+                    clock,
+                },
+                Bytes::new(),
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || inner.closing.load(Ordering::Acquire) {
+            return Err(Error::Timeout {
+                what: format!(
+                    "no vacant worker id: the {expected} workers are live or finished \
+                     (an id falls vacant when its worker is dropped as dead)"
+                ),
+                after: wait,
+            });
+        }
+        let _ = tokio::time::timeout(left, rx.changed()).await;
     }
 }
 

@@ -174,11 +174,23 @@ impl Store {
             .ok_or_else(|| unknown(key, offset))
     }
 
-    /// Registers a worker (see [`ClockTable::register`]) and applies what that completes.
-    pub fn register(&mut self, worker: u32, clock: u64) -> Result<u64> {
-        let c = self.clocks.register(worker, clock.max(self.applied));
+    /// Registers a worker of `generation` (see [`ClockTable::register`]) and applies what
+    /// that completes. A superseded generation is [`Error::Superseded`].
+    pub fn register(&mut self, worker: u32, clock: u64, generation: u64) -> Result<u64> {
+        let c = self
+            .clocks
+            .register(worker, clock.max(self.applied), generation)
+            .map_err(|e| Error::Superseded(e.to_string()))?;
         self.settle()?;
         Ok(c)
+    }
+
+    /// Takes a vacant worker id for a replacement (see [`ClockTable::claim`]): (id,
+    /// generation, clock), or `None` when every id below `expected` is live or finished.
+    pub fn claim(&mut self, expected: u32) -> Result<Option<(u32, u64, u64)>> {
+        let got = self.clocks.claim(expected, self.applied);
+        self.settle()?;
+        Ok(got)
     }
 
     /// Moves a worker's clock and applies what that completes. False if it is not live.
@@ -190,9 +202,18 @@ impl Store {
         Ok(true)
     }
 
-    /// Drops a dead worker from the minimum and applies what that completes.
+    /// Drops a dead worker from the minimum (its id becomes vacant) and applies what that
+    /// completes.
     pub fn drop_worker(&mut self, worker: u32) -> Result<bool> {
         let was = self.clocks.drop_worker(worker);
+        self.settle()?;
+        Ok(was)
+    }
+
+    /// Drops a worker that finished from the minimum (its id is not vacant) and applies what
+    /// that completes.
+    pub fn leave(&mut self, worker: u32) -> Result<bool> {
+        let was = self.clocks.leave(worker);
         self.settle()?;
         Ok(was)
     }
@@ -286,7 +307,8 @@ impl Store {
         self.applied = applied;
         self.clocks = ClockTable::new();
         for &w in workers {
-            self.clocks.register(w, applied);
+            // A fresh table has no generations to supersede.
+            let _ = self.clocks.register(w, applied, 0);
         }
         Ok(())
     }
@@ -327,8 +349,8 @@ mod tests {
         let mut s = Store::new(sgd(0.5, 0.0), Aggregate::Mean, 0);
         assert!(s.init("w", 0, vec![1.0, 1.0]));
         assert!(!s.init("w", 0, vec![9.0, 9.0]), "first init wins");
-        s.register(0, 0).expect("reg");
-        s.register(1, 0).expect("reg");
+        s.register(0, 0, 0).expect("reg");
+        s.register(1, 0, 0).expect("reg");
         s.push(0, 1, 0, "w", 0, vec![2.0, 0.0]).expect("push");
         s.push(1, 1, 0, "w", 0, vec![0.0, 4.0]).expect("push");
         s.push(1, 1, 0, "w", 0, vec![0.0, 4.0])
@@ -353,7 +375,7 @@ mod tests {
         let mut s = Store::new(sgd(1.0, 0.0), Aggregate::Sum, 3);
         s.init("w", 0, vec![0.0]);
         for w in 0..3 {
-            s.register(w, 0).expect("reg");
+            s.register(w, 0, 0).expect("reg");
         }
         s.push(0, 1, 0, "w", 0, vec![1.0]).expect("push");
         s.push(1, 1, 0, "w", 0, vec![1.0]).expect("push");
@@ -363,7 +385,7 @@ mod tests {
         assert!(s.drop_worker(2).expect("drop"));
         assert_eq!(s.pull("w", 0).expect("pull"), &[-2.0]);
         // worker 2 comes back late and pushes for clock 0: it folds into clock 1
-        assert_eq!(s.register(2, 0).expect("reg"), 1);
+        assert_eq!(s.register(2, 0, 0).expect("reg"), 1);
         s.push(2, 7, 0, "w", 0, vec![5.0]).expect("push");
         for w in 0..3 {
             s.advance(w, 2).expect("adv");
@@ -390,7 +412,7 @@ mod tests {
     fn snapshot_and_restore_round_trip() {
         let mut s = Store::new(sgd(0.1, 0.9), Aggregate::Mean, 0);
         s.init("a", 0, vec![1.0, 2.0]);
-        s.register(0, 0).expect("reg");
+        s.register(0, 0, 0).expect("reg");
         s.push(0, 1, 0, "a", 0, vec![1.0, 1.0]).expect("push");
         s.advance(0, 1).expect("adv");
         let snap = s.snapshot();
