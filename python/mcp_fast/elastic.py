@@ -91,7 +91,7 @@ class ElasticJob:
     ``coordinator`` defaults to ``MCP_COORDINATOR``; ``secret`` to ``MCP_SECRET`` (required:
     the coordinator and the members authenticate with it). ``heartbeat`` (seconds, default
     ``MCP_ELASTIC_HEARTBEAT`` or 0.1) is how often this member tells the coordinator it
-    lives; the coordinator's ``--dead-after`` should be about five of them.
+    lives; the coordinator's ``--dead-after`` should be three of them.
     ``rendezvous_timeout`` bounds joining one epoch's group (a member that dies during it
     makes the others try the next epoch). Other keyword arguments are the data groups'
     settings, as for :func:`mcp_fast.init`.
@@ -352,7 +352,7 @@ def serve_coordinator(
     secret: str | bytes | None = None,
     *,
     min_members: int = 1,
-    dead_after: float = 0.5,
+    dead_after: float = 0.3,
     join_window: float = 0.2,
     change_limit: float = 60.0,
     rebuild_window: float = 2.0,

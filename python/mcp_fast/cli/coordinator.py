@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dead-after",
         type=float,
-        default=0.5,
-        help="seconds of silence after which a member is dead (0.5; members beat every 0.1)",
+        default=0.3,
+        help="seconds of silence after which a member is dead (0.3: three heartbeats of 0.1)",
     )
     p.add_argument(
         "--join-window",

@@ -31,7 +31,7 @@ pub struct MemberConfig {
     pub id: MemberId,
     /// Names, dtypes and shapes of its training state, `;`-separated.
     pub spec: String,
-    /// Interval between heartbeats (the coordinator's `dead_after` should be about 5 of them).
+    /// Interval between heartbeats (the coordinator's `dead_after` should be 3 of them).
     pub heartbeat: Duration,
     /// How long [`MemberClient::connect`] tries to reach the coordinator.
     pub connect_timeout: Duration,
