@@ -382,3 +382,43 @@ def flapped(rank: int, world: int, lane: str, cut: float) -> dict[str, Any]:
             want = sum(data("float32", "sum", r, n, salt=i) for r in range(world))
             np.testing.assert_array_equal(a, want)
         return {"killed": g.chaos_stats()["killed"], "stalled": stalled if rank == 1 else 0.0}
+
+
+def reset_mid_run(
+    rank: int, world: int, lane: str, zero_rtt: bool, resets: int = 2
+) -> dict[str, Any]:
+    """All-reduces of mixed sizes while rank 1 drops all its connections ``resets`` times
+    (from a thread, while an all-reduce is in flight); every result is checked exactly."""
+    import threading
+
+    with mcp.init(timeout=60, lane=lane, zero_rtt=zero_rtt) as g:
+        for i in range(12 * resets + 6):
+            reset = rank == 1 and i % 12 == 6
+            if reset:
+                threading.Timer(0.002, g.chaos_reset).start()
+            n = 65_537 if i % 2 else 1_000_003
+            a = data("float32", "sum", rank, n, salt=i)
+            g.all_reduce(a)
+            want = sum(data("float32", "sum", r, n, salt=i) for r in range(world))
+            np.testing.assert_array_equal(a, want)
+        g.barrier()
+        s = g.stats()
+        keys = ["reconnects", "zero_rtt_accepted", "zero_rtt_rejected", "duplicate_frames"]
+        return {k: s[k] for k in keys}
+
+
+def idle_timeout_during_a_cut(rank: int, world: int, cut: float) -> dict[str, Any]:
+    """Rank 1's link goes down for ``cut`` seconds, longer than QUIC's idle timeout (0.5 s)
+    and shorter than the failure detector's limit (heartbeat 2 s): the connections time out,
+    are dialled again once the path is back, and the all-reduce in flight finishes exact."""
+    with mcp.init(timeout=60, chaos="seed=1", idle_timeout=0.5, heartbeat=2.0) as g:
+        for i in range(16):
+            if rank == 1 and i == 8:
+                g.chaos_cut(cut)
+            n = 65_537 if i % 2 else 300_001
+            a = data("float32", "sum", rank, n, salt=i)
+            g.all_reduce(a)
+            want = sum(data("float32", "sum", r, n, salt=i) for r in range(world))
+            np.testing.assert_array_equal(a, want)
+        g.barrier()
+        return {"reconnects": g.stats()["reconnects"]}

@@ -198,6 +198,12 @@ class Group:
         path comes back by itself, and operations in flight continue."""
         self.core.chaos_cut(seconds)
 
+    def chaos_reset(self) -> None:
+        """Drop every connection of this process at once, as a middlebox that lost its state
+        would: they are re-established (0-RTT) and the operations in flight resume from what
+        was acknowledged. For tests and drills."""
+        self.core.chaos_reset()
+
     def chaos_stats(self) -> dict[str, int]:
         """The fault injector's counters (empty without ``chaos=``)."""
         return self.core.chaos_stats()
@@ -519,6 +525,7 @@ def init(
     resend_limit: int | None = None,
     stall_timeout: float | None = None,
     allow_generated_secret: bool | None = None,
+    zero_rtt: bool | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -544,6 +551,10 @@ def init(
     heartbeats but keeps this rank waiting in an operation it has not started, for
     max(stall_timeout, 10 x p99 of the intervals between this rank's operations), is reported
     as ``PeerStalledError`` on every rank.
+    A connection that breaks while its peer lives (an idle timeout during a cut, a
+    middlebox's reset) is re-established within 3 heartbeats (at least 2 s), resuming its TLS
+    session with 0-RTT data (``zero_rtt``, default ``MCP_ZERO_RTT`` or on); the operations in
+    flight resume from what was acknowledged.
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else env_int("RANK")
@@ -568,6 +579,7 @@ def init(
         resend_limit=resend_limit,
         stall_timeout=stall_timeout,
         allow_generated_secret=allow_generated_secret,
+        zero_rtt=zero_rtt,
     )
     core = _core.ProcessGroup(
         rank,

@@ -15,6 +15,8 @@ and the parameter server all take their settings from here, so that ``MCP_CHAOS`
 - ``MCP_RESEND_LIMIT`` / ``resend_limit``: resends of a damaged frame before failing (8).
 - ``MCP_STALL_TIMEOUT`` / ``stall_timeout``: the least wait on a reachable peer that does not
   move before it is reported stalled (60).
+- ``MCP_ZERO_RTT`` / ``zero_rtt``: a connection that broke is re-established resuming its
+  TLS session, its first frames as 0-RTT data (1); 0 makes a full handshake first.
 
 Values are checked once, by the core, which names the setting that is wrong.
 """
@@ -66,6 +68,7 @@ class Settings:
     resend_limit: int
     stall_timeout: float
     allow_generated_secret: bool
+    zero_rtt: bool
 
     @classmethod
     def resolve(
@@ -81,6 +84,7 @@ class Settings:
         resend_limit: int | None = None,
         stall_timeout: float | None = None,
         allow_generated_secret: bool | None = None,
+        zero_rtt: bool | None = None,
     ) -> Settings:
         """The settings for the given arguments; those left ``None`` come from the
         environment, then from the defaults."""
@@ -102,6 +106,7 @@ class Settings:
             allow_generated_secret=bool(
                 _first(allow_generated_secret, env_int("MCP_ALLOW_GENERATED_SECRET"), 0)
             ),
+            zero_rtt=bool(_first(zero_rtt, env_int("MCP_ZERO_RTT"), 1)),
         )
 
     def core_kwargs(self) -> dict[str, Any]:
@@ -117,4 +122,5 @@ class Settings:
             "resend_limit": self.resend_limit,
             "stall_timeout": self.stall_timeout,
             "allow_generated_secret": self.allow_generated_secret,
+            "zero_rtt": self.zero_rtt,
         }

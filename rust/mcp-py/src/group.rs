@@ -173,7 +173,8 @@ impl ProcessGroup {
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
                         heartbeat=5.0, lane=None, resend_limit=8,
-                        stall_timeout=60.0, allow_generated_secret=false, epoch_of=None))]
+                        stall_timeout=60.0, allow_generated_secret=false, epoch_of=None,
+                        zero_rtt=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -196,6 +197,7 @@ impl ProcessGroup {
         stall_timeout: f64,
         allow_generated_secret: bool,
         epoch_of: Option<(PyRef<'_, crate::elastic::ElasticMember>, u64)>,
+        zero_rtt: bool,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -213,6 +215,7 @@ impl ProcessGroup {
         cfg.heartbeat = seconds("heartbeat", heartbeat)?;
         cfg.resend_limit = resend_limit;
         cfg.stall_timeout = seconds("stall_timeout", stall_timeout)?;
+        cfg.zero_rtt = zero_rtt;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
         }
@@ -313,6 +316,14 @@ impl ProcessGroup {
             ("frames_sent", s.frames_sent.load(Relaxed)),
             ("corrupt_frames", s.corrupt_frames.load(Relaxed)),
             ("retransmits", s.retransmits.load(Relaxed)),
+            ("reconnects", s.reconnects.load(Relaxed)),
+            ("zero_rtt_accepted", s.zero_rtt_accepted.load(Relaxed)),
+            ("zero_rtt_rejected", s.zero_rtt_rejected.load(Relaxed)),
+            ("duplicate_frames", t.mailbox_duplicates()),
+            (
+                "last_reconnect_us",
+                t.last_reconnect().map_or(0, |d| d.as_micros() as u64),
+            ),
             ("bytes_sent", s.bytes_sent.load(Relaxed)),
             ("bytes_received", s.bytes_received.load(Relaxed)),
             (
@@ -393,6 +404,14 @@ impl ProcessGroup {
             .transport()
             .chaos_cut(d)
             .map_err(|e| to_py(py, e))
+    }
+
+    /// Drops every connection of this process at once (a path reset): they are
+    /// re-established and the operations in flight resume.
+    fn chaos_reset(&self, py: Python<'_>) -> PyResult<()> {
+        let _in_runtime = runtime(py)?.enter();
+        self.group.transport().chaos_reset();
+        Ok(())
     }
 
     /// The fault injector's counters (empty without `chaos=`).

@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::wire::{FrameKind, Header};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use tokio::sync::oneshot;
 
@@ -100,10 +100,19 @@ struct Inner {
     /// Set when a member was lost: no collective can complete without it.
     revoked: Option<Error>,
     closed: Option<Error>,
+    /// Keys of the frames filed lately, oldest first: a copy of one of them (sent again
+    /// because its acknowledgement was lost with a broken connection) is dropped.
+    filed: HashSet<MsgKey>,
+    filed_order: VecDeque<MsgKey>,
+    duplicates: u64,
 }
 
 /// How many aborted operations are remembered (so late frames of them are dropped).
 const ABORT_MEMORY: usize = 4096;
+
+/// How many filed frames are remembered to drop copies of them: more than the frames in
+/// flight to one process when a connection breaks (QUIC's windows over the chunk size).
+const FILED_MEMORY: usize = 8192;
 
 /// Received frames, filed by key, and the failures that end waits.
 #[derive(Default)]
@@ -125,11 +134,24 @@ impl Mailbox {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Files a received frame (or a receive error for its key) and wakes its waiter.
-    pub fn deliver(&self, key: MsgKey, item: Result<Frame>) {
+    /// Files a received frame (or a receive error for its key) and wakes its waiter. Returns
+    /// false for a copy of a frame filed before, which is dropped.
+    pub fn deliver(&self, key: MsgKey, item: Result<Frame>) -> bool {
         let mut inner = self.lock();
         if inner.aborted.contains_key(&(key.lane, key.seq)) {
-            return;
+            return true;
+        }
+        if item.is_ok() {
+            if !inner.filed.insert(key) {
+                inner.duplicates += 1;
+                return false;
+            }
+            inner.filed_order.push_back(key);
+            if inner.filed_order.len() > FILED_MEMORY {
+                if let Some(old) = inner.filed_order.pop_front() {
+                    inner.filed.remove(&old);
+                }
+            }
         }
         match inner.slots.remove(&key) {
             Some(Slot::Waiting(tx)) => {
@@ -148,6 +170,12 @@ impl Mailbox {
                 self.arrivals.notify_waiters();
             }
         }
+        true
+    }
+
+    /// Copies of frames already filed that were dropped (resent across a reconnection).
+    pub fn duplicates(&self) -> u64 {
+        self.lock().duplicates
     }
 
     /// The first of `keys` whose frame has arrived (not yet taken).
@@ -165,8 +193,9 @@ impl Mailbox {
     }
 
     /// Files a verified frame: an abort fails its operation, a goodbye fails waits on its
-    /// sender, anything else goes to its key.
-    pub fn dispatch(&self, frame: Frame) {
+    /// sender, anything else goes to its key. Returns false for a copy of a frame filed
+    /// before, which is dropped.
+    pub fn dispatch(&self, frame: Frame) -> bool {
         let src = frame.header.src as usize;
         match frame.header.kind {
             FrameKind::Abort => {
@@ -187,8 +216,9 @@ impl Mailbox {
                     reason: "it closed its group".into(),
                 },
             ),
-            _ => self.deliver(MsgKey::of(&frame.header), Ok(frame)),
+            _ => return self.deliver(MsgKey::of(&frame.header), Ok(frame)),
         }
+        true
     }
 
     /// Waits for the frame filed under `key`.

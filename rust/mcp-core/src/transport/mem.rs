@@ -76,17 +76,18 @@ fn deliver(net: &Net, to: &Mailbox, header: Header, payload: Vec<u8>, flips: &[O
         let copy = Payload::from(copy);
         match copy.verify(&header) {
             Ok(()) => {
-                return to.dispatch(Frame {
+                to.dispatch(Frame {
                     header,
                     payload: copy,
-                })
+                });
+                return;
             }
             Err(e) => last = Some(e),
         }
     }
     if let Some(e) = last {
         let n = flips.len();
-        to.deliver(
+        let _ = to.deliver(
             key,
             Err(Error::Protocol(format!(
                 "{e}; it failed {n} times and {} resends did not repair it (resend limit {})",

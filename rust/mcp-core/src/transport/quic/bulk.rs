@@ -715,7 +715,7 @@ pub(super) async fn receive_transfer(
     bulk.lock().finish(tid, plan.total_len);
     let key = MsgKey::of(&header);
     let Some(t) = me.upgrade() else { return Ok(()) };
-    match res {
+    let filed = match res {
         Ok(None) => return Ok(()), // withdrawn: the frame comes on a stream
         Ok(Some(bytes)) => {
             let _ = write_msg(&mut send, MSG_DONE, &[]).await;
@@ -730,17 +730,20 @@ pub(super) async fn receive_transfer(
                 Ok(()) => t.mailbox.dispatch(Frame { header, payload }),
                 Err(e) => {
                     t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
-                    t.mailbox.deliver(key, Err(e));
+                    t.mailbox.deliver(key, Err(e))
                 }
             }
         }
         Err(e) => {
             let _ = send.reset(quinn::VarInt::from_u32(1));
             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
-            t.mailbox.deliver(key, Err(e));
+            t.mailbox.deliver(key, Err(e))
         }
+    };
+    // A copy of a frame filed before (resent across a reconnection) was counted then.
+    if filed {
+        received.fetch_add(1, Ordering::AcqRel);
     }
-    received.fetch_add(1, Ordering::AcqRel);
     Ok(())
 }
 

@@ -7,6 +7,7 @@ pub mod chaos;
 pub mod congestion;
 pub(crate) mod endpoint;
 mod heartbeat;
+mod reconnect;
 mod rendezvous;
 mod stream_lane;
 pub mod tls;
@@ -48,6 +49,8 @@ pub(crate) mod close_code {
     pub const RENDEZVOUS_FAILED: u32 = 0x4d06;
     /// The heartbeat monitor declared the peer lost.
     pub const PEER_SILENT: u32 = 0x4d07;
+    /// The connection was dropped to be established again (a path reset): not a loss.
+    pub const PATH_RESET: u32 = 0x4d08;
 }
 
 /// The progress watchdog's limit in intervals between operations (see `QuicConfig`).
@@ -98,6 +101,9 @@ pub struct QuicConfig {
     /// operation it has not started, for `max(stall_timeout, 10 x p99` of the intervals
     /// between this rank's operations`)`, is reported stalled (default 60 s).
     pub stall_timeout: Duration,
+    /// Reconnections resume the TLS session and send their first frames as 0-RTT data
+    /// (default on; off, a reconnection makes a full handshake first).
+    pub zero_rtt: bool,
 }
 
 impl QuicConfig {
@@ -119,6 +125,7 @@ impl QuicConfig {
             congestion: CongestionKind::from_env(),
             resend_limit: DEFAULT_RESEND_LIMIT,
             stall_timeout: Duration::from_secs(60),
+            zero_rtt: true,
         }
     }
 }
@@ -131,6 +138,9 @@ struct PeerSlot {
     /// Frames written to this peer; the goodbye carries the count so that the peer reads
     /// every one of them before it lets go of us.
     sent: AtomicU64,
+    /// Frames received from this peer on its connections that broke (the goodbye's count
+    /// covers them too).
+    carried: AtomicU64,
     /// Loss measured on the path to this peer, and datagrams queued to it.
     path: Mutex<bulk::PathLoss>,
 }
@@ -158,6 +168,13 @@ pub struct QuicStats {
     pub bulk_frames_received: AtomicU64,
     /// Shards sent again because a receiver asked (NACK).
     pub repair_shards: AtomicU64,
+    /// Connections that broke while their peer lived and were dialled or awaited again.
+    pub reconnects: AtomicU64,
+    /// Reconnections whose 0-RTT data the peer accepted (resumed sessions).
+    pub zero_rtt_accepted: AtomicU64,
+    /// Reconnections whose 0-RTT data the peer refused (it had no session: a full handshake
+    /// followed, and what was sent early went again).
+    pub zero_rtt_rejected: AtomicU64,
 }
 
 /// One process's end of the QUIC mesh.
@@ -186,6 +203,10 @@ pub struct QuicTransport {
     retained: Arc<tokio::sync::Semaphore>,
     /// This rank's progress and its peers' reports.
     progress: Mutex<crate::health::ProgressWatch>,
+    /// Connections this process dropped to have them re-established (`chaos_reset`).
+    reset_here: Mutex<std::collections::HashSet<usize>>,
+    /// How long the last reconnection took.
+    last_reconnect: Mutex<Option<Duration>>,
 }
 
 impl QuicTransport {
@@ -272,6 +293,7 @@ impl QuicTransport {
                     health: Mutex::new(None),
                     dial: tokio::sync::Mutex::new(()),
                     sent: AtomicU64::new(0),
+                    carried: AtomicU64::new(0),
                     path: Mutex::new(bulk::PathLoss::default()),
                 })
                 .collect(),
@@ -291,6 +313,8 @@ impl QuicTransport {
                 cfg.stall_timeout,
                 STALL_FACTOR,
             )),
+            reset_here: Mutex::new(std::collections::HashSet::new()),
+            last_reconnect: Mutex::new(None),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
         let res = match t.local_addr().and_then(bound) {
@@ -397,6 +421,33 @@ impl QuicTransport {
         Ok(())
     }
 
+    /// Drops every connection of this process at once, as a middlebox that lost its state
+    /// (or a NAT that rebound) would: the connections are re-established (the TLS session
+    /// resumed, 0-RTT) and the operations in flight resume from what was acknowledged. For
+    /// tests and drills; needs no chaos configuration.
+    pub fn chaos_reset(&self) {
+        for slot in &self.peers {
+            let conn = slot.conn.borrow().clone();
+            if let Some(c) = conn {
+                self.reset_here
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(c.stable_id());
+                c.close(VarInt::from_u32(close_code::PATH_RESET), b"path reset");
+            }
+        }
+    }
+
+    /// Copies of frames already filed that were dropped (sent again across a reconnection).
+    pub fn mailbox_duplicates(&self) -> u64 {
+        self.mailbox.duplicates()
+    }
+
+    /// How long the last reconnection took (from the break to the new connection), if any.
+    pub fn last_reconnect(&self) -> Option<Duration> {
+        *self.last_reconnect.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The fault injector's counters, when chaos is configured.
     pub fn chaos_stats(&self) -> Option<&chaos::ChaosStats> {
         self.chaos_stats.as_deref()
@@ -501,6 +552,9 @@ impl QuicTransport {
                 if let Some(c) = rx.borrow_and_update().clone() {
                     return Ok(c);
                 }
+                if let Some(e) = self.mailbox.peer_error(peer) {
+                    return Err(e);
+                }
                 if self.closing.load(Ordering::Acquire) {
                     return Err(Error::Closed(format!(
                         "this process closed its group while waiting for rank {peer} to connect"
@@ -510,6 +564,65 @@ impl QuicTransport {
                     return Err(Error::Closed("transport dropped".into()));
                 }
             }
+        }
+    }
+
+    /// Dials `peer` again after its connection broke (see [`reconnect`]), unless a send did
+    /// meanwhile; until `deadline`.
+    async fn redial(&self, peer: usize, deadline: Instant) -> Result<Connection> {
+        let slot = self.peers.get(peer).ok_or_else(|| {
+            Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
+        })?;
+        let _g = slot.dial.lock().await;
+        if let Some(c) = slot.conn.borrow().clone() {
+            return Ok(c);
+        }
+        let addr = self
+            .addr_of(peer)
+            .ok_or_else(|| Error::Io(format!("address of rank {peer} unknown")))?;
+        self.dial_with_backoff(peer, addr, deadline, false).await
+    }
+
+    /// The connection to use instead of `failed`, whose stream failed: the same one while it
+    /// lives (a refused 0-RTT flight is sent again on it), else the one that replaces it,
+    /// waited for up to the reconnection budget. Fails when the peer is lost meanwhile.
+    pub(super) async fn next_conn(&self, peer: usize, failed: &Connection) -> Result<Connection> {
+        let slot = self.peers.get(peer).ok_or_else(|| {
+            Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
+        })?;
+        let mut rx = slot.conn.subscribe();
+        let wait = async {
+            loop {
+                if let Some(e) = self.mailbox.peer_error(peer) {
+                    return Err(e);
+                }
+                if self.closing.load(Ordering::Acquire) {
+                    return Err(Error::Closed("this process closed its group".into()));
+                }
+                let now = rx.borrow_and_update().clone();
+                match now {
+                    Some(c) if c.stable_id() != failed.stable_id() => return Ok(c),
+                    Some(c) if c.close_reason().is_none() => return Ok(c),
+                    _ => {}
+                }
+                if rx.changed().await.is_err() {
+                    return Err(Error::Closed("transport dropped".into()));
+                }
+            }
+        };
+        // The broken connection's reader notices its end and starts the reconnection; a
+        // little more than its budget covers both.
+        let limit = reconnect::budget(self.cfg.heartbeat) + Duration::from_secs(1);
+        match tokio::time::timeout(limit, wait).await {
+            Ok(r) => r,
+            Err(_) => Err(self.mailbox.peer_error(peer).unwrap_or(Error::PeerLost {
+                rank: peer,
+                op: "send".into(),
+                reason: format!(
+                    "the connection broke and no new one came within {:.1} s",
+                    limit.as_secs_f64()
+                ),
+            })),
         }
     }
 
@@ -527,6 +640,11 @@ impl QuicTransport {
     ) -> Result<Connection> {
         let mut backoff = Backoff::default();
         loop {
+            if let Some(e) = self.mailbox.peer_error(peer) {
+                if !matches!(e, Error::PeerStalled { .. }) {
+                    return Err(e);
+                }
+            }
             if breaker {
                 let mut b = self.breakers.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(cb) = b.get_mut(peer) {
@@ -591,8 +709,18 @@ impl QuicTransport {
     async fn dial_once(&self, peer: usize, addr: SocketAddr) -> Result<Connection> {
         let connecting = self
             .endpoint
-            .connect_with(self.client_cfg.clone(), addr, tls::SERVER_NAME)
+            .connect_with(self.client_cfg.clone(), addr, &tls::server_name_of(peer))
             .map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
+        // With a session ticket from an earlier connection to this address, the Hello and
+        // the first frames go as 0-RTT data, before the handshake completes.
+        let connecting = if self.cfg.zero_rtt {
+            match connecting.into_0rtt() {
+                Ok((conn, accepted)) => return self.early(peer, conn, accepted).await,
+                Err(c) => c,
+            }
+        } else {
+            connecting
+        };
         let conn = connecting
             .await
             .map_err(|e| map_conn_error(&e, peer, &addr.to_string(), "connect"))?;
@@ -617,6 +745,40 @@ impl QuicTransport {
             .map_err(|e| map_write(e, peer))?;
         self.register(peer, conn.clone());
         tokio::spawn(read_loop(self.me.clone(), conn.clone(), Some(peer)));
+        Ok(conn)
+    }
+
+    /// A resumed connection, usable before its handshake completes: says Hello in 0-RTT data
+    /// and, should the peer refuse that data (it lost the session), says it again once the
+    /// handshake is done; the frames sent meanwhile go again through their own retries.
+    async fn early(
+        &self,
+        peer: usize,
+        conn: Connection,
+        accepted: quinn::ZeroRttAccepted,
+    ) -> Result<Connection> {
+        let hello = rendezvous::hello_frame(self)?;
+        self.write_frame(peer, &conn, &hello.0, &hello.1)
+            .await
+            .map_err(|e| map_write(e, peer))?;
+        self.register(peer, conn.clone());
+        tokio::spawn(read_loop(self.me.clone(), conn.clone(), Some(peer)));
+        let me = self.me.clone();
+        let c = conn.clone();
+        tokio::spawn(async move {
+            let ok = accepted.await;
+            let Some(t) = me.upgrade() else { return };
+            if ok {
+                t.stats.zero_rtt_accepted.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            t.stats.zero_rtt_rejected.fetch_add(1, Ordering::Relaxed);
+            if c.close_reason().is_none() {
+                if let Ok(h) = rendezvous::hello_frame(&t) {
+                    let _ = t.write_frame(peer, &c, &h.0, &h.1).await;
+                }
+            }
+        });
         Ok(conn)
     }
 
@@ -778,6 +940,21 @@ enum WriteFail {
     Write(quinn::WriteError),
 }
 
+/// Sends of one frame again after its connection broke, before the send fails.
+const SEND_RETRIES: usize = 4;
+
+impl WriteFail {
+    /// Whether the connection failed under the write (rather than the frame or the path).
+    fn is_connection(&self) -> bool {
+        matches!(
+            self,
+            WriteFail::Conn(_)
+                | WriteFail::Write(quinn::WriteError::ConnectionLost(_))
+                | WriteFail::Write(quinn::WriteError::ZeroRttRejected)
+        )
+    }
+}
+
 fn map_write(e: WriteFail, peer: usize) -> Error {
     match e {
         WriteFail::Core(e) => e,
@@ -867,7 +1044,7 @@ async fn accept_loop(me: Weak<QuicTransport>) {
         };
         let me = me.clone();
         tokio::spawn(async move {
-            let Ok(conn) = incoming.await else {
+            let Some(conn) = accept_one(incoming).await else {
                 if let Some(t) = me.upgrade() {
                     t.stats.refused_handshakes.fetch_add(1, Ordering::Relaxed);
                 }
@@ -904,8 +1081,30 @@ async fn accept_loop(me: Weak<QuicTransport>) {
     }
 }
 
+/// Accepts one connection attempt. A resumed session (its client certificate known from the
+/// session it resumes) is served at once, its 0-RTT frames read before the handshake ends;
+/// any other is served once its handshake completed and the certificate was checked.
+async fn accept_one(incoming: quinn::Incoming) -> Option<Connection> {
+    let mut connecting = incoming.accept().ok()?;
+    // The ClientHello has been read: a resumption has restored the peer's certificate.
+    connecting.handshake_data().await.ok()?;
+    let (conn, done) = match connecting.into_0rtt() {
+        Ok(c) => c,
+        Err(c) => return c.await.ok(),
+    };
+    if conn.peer_identity().is_none() {
+        // Resolves when the handshake completes (to whether 0-RTT data was accepted, which
+        // is no matter here) or fails.
+        let _ = done.await;
+    }
+    if conn.close_reason().is_some() {
+        return None;
+    }
+    Some(conn)
+}
+
 /// Reads every stream of `conn` into the mailbox; when the connection ends, fails the waits
-/// on its peer.
+/// on its peer, or has the connection re-established when the end was transient.
 async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<usize>) {
     let known = Arc::new(Mutex::new(peer));
     let active = Arc::new(AtomicUsize::new(0));
@@ -952,6 +1151,22 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
         return;
     }
     if let Some(p) = peer {
+        let reset_here = t
+            .reset_here
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&conn.stable_id());
+        if let Some(why) = reconnect::transient(&end, reset_here) {
+            if t.mailbox.peer_error(p).is_none() {
+                if let Some(slot) = t.peers.get(p) {
+                    slot.carried
+                        .fetch_add(received.load(Ordering::Acquire), Ordering::AcqRel);
+                }
+                drop(t);
+                reconnect::reconnect(me, p, conn, why).await;
+                return;
+            }
+        }
         let err = map_conn_error(&end, p, &format!("rank {p}"), "any operation");
         // A goodbye, or our own close after the peer's farewell: it left, it was not lost.
         let left = match &end {
@@ -1061,8 +1276,12 @@ async fn farewell(
     received: &AtomicU64,
 ) {
     let (stall, cap) = (t.shutdown_stall(), t.shutdown_cap());
+    let carried = t
+        .peers
+        .get(src)
+        .map_or(0, |s| s.carried.load(Ordering::Acquire));
     wait_while_alive(
-        || received.load(Ordering::Acquire) < expected,
+        || received.load(Ordering::Acquire) + carried < expected,
         std::slice::from_ref(conn),
         stall,
         cap,
@@ -1134,17 +1353,18 @@ async fn read_stream(
         _ => {}
     }
     let key = MsgKey::of(&header);
-    match payload.verify(&header) {
-        Ok(()) => {
-            t.mailbox.dispatch(Frame { header, payload });
-        }
+    let filed = match payload.verify(&header) {
+        Ok(()) => t.mailbox.dispatch(Frame { header, payload }),
         Err(e) => {
             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
-            t.mailbox.deliver(key, Err(e));
+            t.mailbox.deliver(key, Err(e))
         }
+    };
+    // Counted once filed, so that a goodbye never overtakes a frame it announced (a copy of
+    // a frame filed before was counted then).
+    if filed {
+        received.fetch_add(1, Ordering::AcqRel);
     }
-    // Counted once filed, so that a goodbye never overtakes a frame it announced.
-    received.fetch_add(1, Ordering::AcqRel);
     Ok(())
 }
 
@@ -1167,8 +1387,22 @@ impl Transport for QuicTransport {
         header: &'a Header,
         payload: &'a [u8],
     ) -> Result<()> {
-        let conn = self.conn(peer).await?;
-        match self.write_frame(peer, &conn, header, payload).await {
+        let mut conn = self.conn(peer).await?;
+        // A connection that breaks under the send is replaced (see `reconnect`): the frame
+        // goes again, whole, on the next one; the receiver drops a copy it already filed.
+        let mut res = self.write_frame(peer, &conn, header, payload).await;
+        for _ in 0..SEND_RETRIES {
+            match &res {
+                Err(e) if e.is_connection() && !self.closing.load(Ordering::Acquire) => {}
+                _ => break,
+            }
+            conn = match self.next_conn(peer, &conn).await {
+                Ok(c) => c,
+                Err(e) => return Err(e),
+            };
+            res = self.write_frame(peer, &conn, header, payload).await;
+        }
+        match res {
             Ok(()) => Ok(()),
             Err(e) => match map_write(e, peer) {
                 // We closed the connection because the peer left or fell silent, not because

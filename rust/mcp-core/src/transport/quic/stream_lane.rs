@@ -20,7 +20,12 @@
 //! has delivered it, so the frames kept are QUIC's send window plus a round trip of data;
 //! [`RETAIN_BYTES`] caps them per process (a send waits for room, as it waits for QUIC's
 //! window). Every loop is bounded: [`MAX_RESENDS`] attempts per frame, the verdict ends with
-//! the connection.
+//! the connection, or with the reconnection budget when the connection breaks.
+//!
+//! A connection that breaks while its peer lives is re-established ([`super::reconnect`]): a
+//! frame still without its verdict is then sent again on the new connection — the operation
+//! resumes from what the receiver acknowledged, not from its start — and a receiver that had
+//! filed it already drops the copy.
 
 use super::{QuicTransport, WriteFail, MAX_FRAME_PAYLOAD};
 use crate::error::{Error, Result};
@@ -96,7 +101,7 @@ impl QuicTransport {
         let me = self.me.clone();
         let conn = conn.clone();
         tokio::spawn(async move {
-            await_verdicts(&me, &conn, frame, recv).await;
+            await_verdicts(&me, peer, conn, frame, recv).await;
             if let Some(t) = me.upgrade() {
                 t.unacked_streams.fetch_sub(1, Ordering::AcqRel);
             }
@@ -131,21 +136,47 @@ impl QuicTransport {
 }
 
 /// Reads verdicts on a sent frame and sends it again while the receiver asks, at most
-/// [`MAX_RESENDS`] times. Ends with OK, GIVE_UP, or the end of the connection.
+/// [`MAX_RESENDS`] times; and once more on the next connection when this one broke before
+/// the verdict came. Ends with OK, GIVE_UP, or the loss of the peer.
 async fn await_verdicts(
     me: &Weak<QuicTransport>,
-    conn: &Connection,
+    peer: usize,
+    mut conn: Connection,
     frame: Retained,
     mut recv: RecvStream,
 ) {
     for _ in 0..=MAX_RESENDS {
         let mut v = [0u8; 1];
-        if recv.read_exact(&mut v).await.is_err() || v[0] != VERDICT_RESEND {
-            return;
-        }
+        let broke = match recv.read_exact(&mut v).await {
+            Ok(()) if v[0] == VERDICT_RESEND => false,
+            Ok(()) => return,
+            Err(quinn::ReadExactError::ReadError(
+                quinn::ReadError::ConnectionLost(_) | quinn::ReadError::ZeroRttRejected,
+            )) => true,
+            Err(_) => return,
+        };
         let Some(t) = me.upgrade() else { return };
-        t.stats.retransmits.fetch_add(1, Ordering::Relaxed);
-        match t.send_attempt(conn, &frame).await {
+        if broke {
+            match t.next_conn(peer, &conn).await {
+                Ok(c) => conn = c,
+                Err(_) => return,
+            }
+        } else {
+            t.stats.retransmits.fetch_add(1, Ordering::Relaxed);
+        }
+        // A write on a connection that broke meanwhile fails: wait for the next one.
+        let mut sent = t.send_attempt(&conn, &frame).await;
+        for _ in 0..4 {
+            if sent.is_ok() {
+                break;
+            }
+            match t.next_conn(peer, &conn).await {
+                Ok(c) => conn = c,
+                Err(_) => return,
+            }
+            sent = t.send_attempt(&conn, &frame).await;
+        }
+        match sent {
             Ok(r) => recv = r,
             Err(_) => return,
         }
@@ -278,8 +309,13 @@ pub(super) async fn receive_checked(
                 .bytes_received
                 .fetch_add((hlen + payload.len()) as u64, Ordering::Relaxed);
             // Filed before the verdict is written: the operation waiting for it goes first.
-            t.mailbox.dispatch(Frame { header, payload });
+            // A copy of a frame filed before (its verdict was lost with a connection) is
+            // dropped, and answered OK so that its sender lets go of it.
+            let filed = t.mailbox.dispatch(Frame { header, payload });
             answer(&mut send, VERDICT_OK).await;
+            if !filed {
+                return Ok(None);
+            }
         }
         Err(e) => {
             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);

@@ -6,6 +6,13 @@
 //! refused at the handshake. The protocol version travels in ALPN (`mcp/<major>.<minor>`:
 //! both are pinned), with a version-neutral fallback `mcp` so that two versions can still
 //! meet and name each other.
+//!
+//! Reconnections resume the TLS session (a ticket from the previous connection, kept in
+//! memory by this process) and may send their first frames as 0-RTT data. The server keeps
+//! its sessions in memory (stateful resumption) and takes a ticket out when it is used, so a
+//! ticket serves once: a replayed first flight finds no session and gets a full handshake,
+//! which a third party without the job secret cannot complete. A resumed session carries the
+//! client certificate of the handshake that made it, so the server knows who speaks.
 
 use crate::error::{Error, Result};
 use rcgen::{
@@ -21,6 +28,13 @@ use std::sync::Arc;
 
 /// The server name every peer certificate carries and every client asks for.
 pub const SERVER_NAME: &str = "peer.mcp-fast.invalid";
+
+/// The server name a rank asks for when it dials rank `rank`: matched by the certificates'
+/// wildcard name, and the key of the session tickets kept for that peer (one name for all
+/// would resume a session with the wrong peer, which refuses it).
+pub fn server_name_of(rank: usize) -> String {
+    format!("r{rank}.{SERVER_NAME}")
+}
 /// ALPN offered when versions differ, so the handshake completes and the peers can say which
 /// versions they speak.
 pub const ALPN_FALLBACK: &[u8] = b"mcp";
@@ -77,7 +91,9 @@ impl Identity {
         let issuer = Issuer::new(ca, ca_key);
 
         let leaf_key = KeyPair::generate().map_err(tls_err)?;
-        let mut leaf = CertificateParams::new(vec![SERVER_NAME.to_string()]).map_err(tls_err)?;
+        let mut leaf =
+            CertificateParams::new(vec![SERVER_NAME.to_string(), format!("*.{SERVER_NAME}")])
+                .map_err(tls_err)?;
         leaf.distinguished_name
             .push(DnType::CommonName, "mcp_fast rank");
         leaf.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -122,6 +138,8 @@ impl Identity {
             )
             .map_err(tls_err)?;
         cfg.alpn_protocols = alpns;
+        // QUIC's only allowed non-zero value: accept 0-RTT data from resumed sessions.
+        cfg.max_early_data_size = u32::MAX;
         Ok(cfg)
     }
 
@@ -137,6 +155,8 @@ impl Identity {
             )
             .map_err(tls_err)?;
         cfg.alpn_protocols = alpns;
+        // Session tickets are kept in memory (rustls's default cache); a reconnection uses one.
+        cfg.enable_early_data = true;
         Ok(cfg)
     }
 }

@@ -1,0 +1,134 @@
+//! Re-establishing a connection that broke while its peer lives.
+//!
+//! A connection can end without its peer being lost: QUIC's idle timeout fires during a cut
+//! when it is shorter than the failure detector's limit, a middlebox loses its state and the
+//! peer answers with a stateless reset, or the connection is dropped on purpose
+//! ([`QuicTransport::chaos_reset`]). Such an end is *transient*: instead of failing every
+//! wait on the peer, the higher rank dials it again (resuming the TLS session, its first
+//! frames in 0-RTT data) and the lower one waits for it, for at most the reconnection
+//! budget; only then is the peer lost. Meanwhile the operations in flight wait, and resume
+//! from what the receiver acknowledged: a stream-lane frame without an OK verdict is sent
+//! again on the new connection ([`super::stream_lane`]), a frame whose send failed is sent
+//! again whole, and the receiver drops a copy of a frame it already filed ([`Mailbox`]).
+//!
+//! An end that says something about the peer is not transient: a goodbye, our own close, a
+//! refused handshake, the other side declaring us silent, a protocol error.
+//!
+//! [`Mailbox`]: crate::transport::Mailbox
+
+use super::{close_code, QuicTransport};
+use crate::error::Error;
+use quinn::{Connection, ConnectionError};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+
+/// Why a connection's end is worth a reconnection, or `None` when it says the peer is gone
+/// (or untrustworthy). `reset_here`: this process dropped the connection on purpose.
+pub(super) fn transient(end: &ConnectionError, reset_here: bool) -> Option<&'static str> {
+    match end {
+        ConnectionError::TimedOut => Some("QUIC's idle timeout"),
+        ConnectionError::Reset => Some("a stateless reset"),
+        ConnectionError::ApplicationClosed(c)
+            if u64::from(c.error_code) == u64::from(close_code::PATH_RESET) =>
+        {
+            Some("the peer dropped the connection to re-establish it")
+        }
+        ConnectionError::LocallyClosed if reset_here => Some("this process reset the path"),
+        _ => None,
+    }
+}
+
+/// How long a broken connection may take to come back before its peer is lost: about what
+/// the failure detector allows a silent peer (two heartbeats and a second), at least 2 s.
+pub(super) fn budget(heartbeat: Duration) -> Duration {
+    (heartbeat * 2 + Duration::from_secs(1)).max(Duration::from_secs(2))
+}
+
+/// Re-establishes the connection to `peer` that `broken` was, within the budget; fails every
+/// wait on the peer if it cannot. Does nothing when the slot already holds another one.
+///
+/// Boxed: the new connection's reader may come back here, and a boxed future's `Send` is
+/// declared rather than inferred through that cycle.
+pub(super) fn reconnect(
+    me: Weak<QuicTransport>,
+    peer: usize,
+    broken: Connection,
+    why: &'static str,
+) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    Box::pin(reconnect_now(me, peer, broken, why))
+}
+
+async fn reconnect_now(me: Weak<QuicTransport>, peer: usize, broken: Connection, why: &'static str) {
+    let Some(t) = me.upgrade() else { return };
+    let Some(slot) = t.peers.get(peer) else {
+        return;
+    };
+    let cleared = slot.conn.send_if_modified(|c| {
+        if c.as_ref().map(Connection::stable_id) == Some(broken.stable_id()) {
+            *c = None;
+            true
+        } else {
+            false
+        }
+    });
+    if !cleared {
+        return;
+    }
+    t.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+    let budget = budget(t.cfg.heartbeat);
+    let started = Instant::now();
+    let deadline = started + budget;
+    let res = if t.rank > peer {
+        t.redial(peer, deadline).await.map(|_| ())
+    } else {
+        let mut rx = slot.conn.subscribe();
+        let wait = async {
+            loop {
+                if rx.borrow_and_update().is_some() {
+                    return Ok(());
+                }
+                if rx.changed().await.is_err() {
+                    return Err(Error::Closed("transport dropped".into()));
+                }
+            }
+        };
+        match tokio::time::timeout(budget, wait).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout {
+                what: format!("rank {peer} to connect again"),
+                after: budget,
+            }),
+        }
+    };
+    if t.closing.load(Ordering::Acquire) {
+        return;
+    }
+    match res {
+        Ok(()) => {
+            let took = started.elapsed();
+            *t.last_reconnect
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(took);
+        }
+        Err(e) => {
+            if t.mailbox.peer_error(peer).is_none() {
+                t.mailbox.fail_peer(
+                    peer,
+                    Error::PeerLost {
+                        rank: peer,
+                        op: "reconnect".into(),
+                        reason: format!(
+                            "the connection broke ({why}) and was not re-established within {:.1} s: {e}",
+                            budget.as_secs_f64()
+                        ),
+                    },
+                );
+            }
+            // Wake the sends waiting for the new connection: they see the loss.
+            slot.conn.send_modify(|_| {});
+        }
+    }
+}
