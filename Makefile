@@ -1,4 +1,4 @@
-# The only entry points: `make demo`, `make test`, `make bench` (and their parts).
+# The only entry points: `make demo`, `make test`, `make bench`, `make plots` (and their parts).
 # Every target sets up what it needs (a virtual environment with pinned packages, a release
 # build of the extension) and is safe to run again.
 
@@ -10,7 +10,7 @@ BUILT   := $(VENV)/.mcp-built
 PYDIRS  := python tests benches examples
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: demo test bench build-dev lint fmt rust-test py-test wheel-test clean net-tools
+.PHONY: demo test bench plots build-dev lint fmt rust-test py-test wheel-test clean net-tools
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -74,6 +74,11 @@ bench: $(BUILT) $(BENCH_STAMP)
 	$(PY) benches/bench_failure_detection.py --runs 20
 	$(PY) benches/bench_elastic.py
 	$(PY) benches/bench_ps.py
+
+# The figures of docs/benchmarks.md and the README (docs/img/*.png) from the JSON the benchmarks
+# write with --json (docs/data/*.json; the command that made each is in its "meta").
+plots: $(BENCH_STAMP)
+	$(PY) benches/plots.py --data docs/data --out docs/img
 
 clean:
 	rm -rf target $(VENV) dist .pytest_cache .ruff_cache

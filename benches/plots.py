@@ -86,7 +86,10 @@ def plot_loss(data: dict[str, Any], out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("packets dropped at random (%)")
     ax.set_ylabel("all-reduce time (ms, log scale)")
-    ax.set_title("All-reduce over a lossy link: Gloo (TCP) vs mcp_fast (QUIC), same run")
+    ax.set_title(
+        textwrap.fill("All-reduce over a lossy link: Gloo (TCP) vs mcp_fast (QUIC), same run", 70),
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     _caption(ax, data["meta"])
@@ -111,7 +114,9 @@ def plot_codecs(data: dict[str, Any], out: Path) -> None:
         )
     ax.axhline(1.0, color="0.5", lw=0.8)
     ax.set_ylabel("speed-up over Gloo (x)")
-    ax.set_title(data["meta"].get("title", "all-reduce with codecs"))
+    ax.set_title(
+        textwrap.fill(data["meta"].get("title", "all-reduce with codecs"), 70), fontsize=10
+    )
     ax.tick_params(axis="x", labelsize=8)
     _caption(ax, data["meta"])
     _save(fig, out)
@@ -124,14 +129,14 @@ def plot_ddp(data: dict[str, Any], out: Path) -> None:
     for i, (backend, color) in enumerate([("gloo", GLOO), ("mcp", MCP)]):
         xs = [j + (i - 0.5) * width for j in range(len(links))]
         ys = [data["links"][lk][backend]["median_ms"] for lk in links]
-        bars = ax.bar(xs, ys, width, color=color, label="Gloo" if backend == "gloo" else "mcp")
+        bars = ax.bar(xs, ys, width, color=color, label="Gloo" if backend == "gloo" else "mcp_fast")
         for b, y in zip(bars, ys, strict=True):
             ax.text(
                 b.get_x() + b.get_width() / 2, y, f"{y:.0f}", ha="center", va="bottom", fontsize=8
             )
     ax.set_xticks(range(len(links)), [data["labels"].get(lk, lk) for lk in links])
     ax.set_ylabel("median DDP step (ms)")
-    ax.set_title(data["meta"].get("title", "DDP step time"))
+    ax.set_title(textwrap.fill(data["meta"].get("title", "DDP step time"), 70), fontsize=10)
     ax.legend()
     _caption(ax, data["meta"])
     _save(fig, out)
@@ -146,12 +151,18 @@ def plot_elastic(data: dict[str, Any], out: Path) -> None:
         run = data.get(key) or {}
         commits = run.get("commits") or []
         if commits:
-            ax.plot([c[0] for c in commits], [c[1] for c in commits], color=color, label=label)
+            ax.plot(
+                [c[0] for c in commits],
+                [c[1] for c in commits],
+                color=color,
+                label=label,
+                drawstyle="steps-post",  # nothing committed until the next point
+            )
         for k in run.get("kills") or []:
             ax.axvline(k, color=color, alpha=0.3, lw=0.8)
     ax.set_xlabel("seconds since the job started (vertical lines: kill -9)")
     ax.set_ylabel("steps committed")
-    ax.set_title(data["meta"].get("title", "recovery after kills"))
+    ax.set_title(textwrap.fill(data["meta"].get("title", "recovery after kills"), 70), fontsize=10)
     ax.legend()
     _caption(ax, data["meta"])
     _save(fig, out)

@@ -75,3 +75,12 @@ def test_readme_block_runs(tmp_path: Path, line: int, source: str) -> None:
         f"README block at line {line} failed (exit {r.returncode}):\n"
         f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     )
+
+
+def test_docs_links_point_at_files() -> None:
+    missing = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                missing.append(f"{page.name}: {target}")
+    assert not missing, f"docs link to missing files: {missing}"
