@@ -21,7 +21,7 @@ from _launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-TIMEOUT = 120  # seconds per block; each takes 0.2-6 s on an idle 2-vCPU machine
+TIMEOUT = 240  # seconds per block: 0.2-6 s idle; the torch block took 68 s at load 13 on 2 vCPUs
 
 
 def python_blocks() -> list[tuple[int, str]]:
