@@ -59,13 +59,16 @@ def run(backend: str, args: argparse.Namespace, lossy: bool, out: Path, limit: f
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         rc = p.wait(timeout=limit + (30 if lossy else 0))
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGTERM)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        # its own session (so that the whole run can be stopped): pass Ctrl-C on, too
+        os.killpg(p.pid, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
         try:
             rc = p.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             rc = p.wait()
+        if isinstance(e, KeyboardInterrupt):
+            raise
     wall = time.perf_counter() - t0
     res = json.loads(out.read_text()) if out.exists() else {"rows": [], "seconds": None}
     done = len(res["rows"])
