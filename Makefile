@@ -1,4 +1,4 @@
-# The only entry points: `make demo`, `make test`, `make bench` (and their parts).
+# The only entry points: `make demo`, `make test`, `make bench`, `make plots` (and their parts).
 # Every target sets up what it needs (a virtual environment with pinned packages, a release
 # build of the extension) and is safe to run again.
 
@@ -10,7 +10,7 @@ BUILT   := $(VENV)/.mcp-built
 PYDIRS  := python tests benches examples
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml Cargo.lock pyproject.toml
 
-.PHONY: demo test bench build-dev lint fmt rust-test py-test wheel-test clean net-tools
+.PHONY: demo test bench plots build-dev lint fmt rust-test py-test wheel-test clean net-tools
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,8 +30,6 @@ $(BENCH_STAMP): requirements/bench.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements/bench.txt -c requirements/constraints.txt
 	touch $@
 
-TRAIN := env OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/train_ddp.py --backend mcp
-
 # What the lossy-link tests and the demo use, installed from Debian when running as root:
 # nftables (silent packet loss in a network namespace) and iproute2 (namespaces, tbf).
 net-tools:
@@ -41,17 +39,14 @@ net-tools:
 	  apt-get update -qq >/dev/null 2>&1 || true; \
 	  apt-get install -y -qq nftables iproute2 >/dev/null 2>&1 || true; fi
 
-# The main job: DDP training over MCP in two processes, on a lossy private link when this
-# machine allows it (root, iproute2, nftables: installed from Debian if missing), else loopback.
+# The main job: the same DDP training (examples/train_ddp.py, same seed) in two processes over
+# Gloo, then over MCP, on the same lossy private link when this machine allows it (root,
+# iproute2, nftables: installed from Debian if missing), else loopback; ends with the two side
+# by side (examples/demo_compare.py; the Gloo run is stopped after GLOO_LIMIT seconds).
+GLOO_LIMIT ?= 90
 demo: $(BUILT) net-tools
-	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null && command -v nft >/dev/null; then \
-	  echo "== DDP over MCP, 2 ranks, 10% random packet loss (mcp-chaos network namespace)"; \
-	  $(VENV)/bin/mcp-chaos --loss 0.1 --hook input --timeout 600 -- $(TRAIN); \
-	else \
-	  echo "== DDP over MCP, 2 ranks, loopback (root with iproute2+nftables adds a lossy link)"; \
-	  $(TRAIN); \
-	fi
 	$(PY) examples/collectives_demo.py --world 3 --mib 16
+	$(PY) examples/demo_compare.py --loss 0.1 --gloo-limit $(GLOO_LIMIT)
 
 lint: $(STAMP)
 	cargo fmt --all -- --check
@@ -79,6 +74,11 @@ bench: $(BUILT) $(BENCH_STAMP)
 	$(PY) benches/bench_failure_detection.py --runs 20
 	$(PY) benches/bench_elastic.py
 	$(PY) benches/bench_ps.py
+
+# The figures of docs/benchmarks.md and the README (docs/img/*.png) from the JSON the benchmarks
+# write with --json (docs/data/*.json; the command that made each is in its "meta").
+plots: $(BENCH_STAMP)
+	$(PY) benches/plots.py --data docs/data --out docs/img
 
 clean:
 	rm -rf target $(VENV) dist .pytest_cache .ruff_cache

@@ -1,6 +1,6 @@
 """Time DDP training steps with backend "mcp" against "gloo", on loopback and on a lossy link.
 
-    python benches/bench_ddp.py [--steps 20] [--loss 0.2] [--links loopback,lossy]
+    python benches/bench_ddp.py [--steps 20] [--loss 0.2] [--links loopback,lossy] [--json OUT]
 
 Two ranks (torchrun --standalone) train the same MLP (about 6 MiB of fp32 gradients with the
 default --width 1024) from the same seed on the same synthetic batches, once wrapped in DDP
@@ -17,6 +17,7 @@ silently, as on a real lossy link; ``--hook output`` drops them as they are sent
 sender's ``send`` fails with EPERM, and TCP (Gloo) then retransmits at once without waiting
 for a timeout, so that setting flatters Gloo. Prints a markdown table: median and p90 step time and
 samples/s per backend and link, and whether the two backends ended with the same parameters.
+``--json OUT`` also writes the step times per link and backend for ``benches/plots.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -180,6 +182,8 @@ def driver(args: argparse.Namespace) -> int:
         return 2
     rows, notes = [], []
     failed = False
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    per_link: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_ddp") as d:
         for link in links:
             label = (
@@ -202,6 +206,14 @@ def driver(args: argparse.Namespace) -> int:
                 notes.append(f"- {label}: FAILED (exit {rc})")
                 continue
             res = json.loads(result.read_text())
+            per_link[label] = {
+                b: {
+                    "median_ms": 1e3 * statistics.median(res["times"][b]),
+                    "steps_ms": [1e3 * x for x in res["times"][b]],
+                }
+                for b in BACKENDS
+                if res["times"][b]
+            }
             for b in BACKENDS:
                 if res["times"][b]:
                     rows.append(_row(label, b, res["times"][b], args.batch, res["world"]))
@@ -228,6 +240,17 @@ def driver(args: argparse.Namespace) -> int:
         print("\n".join(rows))
         print()
     print("\n".join(notes))
+    if args.json and per_link:
+        meta = {
+            "command": shlex.join(["python", "benches/bench_ddp.py", *sys.argv[1:]]),
+            "date": started,
+            "cpus": os.cpu_count(),
+            "title": f"DDP step, 2 ranks, MLP {args.inputs}-{args.width}-{args.width}-10 "
+            f"({grad_mib:.1f} MiB of gradients), batch {args.batch} per rank",
+        }
+        out = {"meta": meta, "links": per_link, "labels": {}, "notes": notes}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 1 if failed else 0
 
 
@@ -255,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--budget", type=float, default=75.0, help="seconds of timed steps per link at most"
     )
+    p.add_argument("--json", help="also write the step times to this file (benches/plots.py)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -36,6 +37,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_elastic.py"
@@ -98,7 +101,7 @@ def elastic_run(args: argparse.Namespace, kills: int, tmp: Path) -> dict:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not read_timelines(tmp):
             time.sleep(0.1)
-        for _ in range(kills):
+        for _ in tqdm(range(kills), desc="elastic kills", disable=not kills, file=sys.stderr):
             time.sleep(rng.uniform(args.kill_gap * 0.5, args.kill_gap * 1.5))
             # Only members that train: a replacement still starting up is not a failure.
             alive = [
@@ -135,8 +138,12 @@ def elastic_run(args: argparse.Namespace, kills: int, tmp: Path) -> dict:
             recoveries.append(after[0][2] - t)
     results = [json.loads(f.read_text()) for f in tmp.glob("*.json")]
     finished = [r for r in results if r["final_step"] == args.steps]
+    t0 = timeline[0][2] if timeline else 0.0
     return {
         "recoveries": recoveries,
+        # for benches/plots.py: the job's committed steps over time, and when each kill was
+        "kills": [round(t - t0, 3) for t in kill_times],
+        "commits": _progress([(c[2] - t0, c[0]) for c in timeline]),  # (step, epoch, time)
         "failed_steps": sum(r["failed_steps"] for r in results),
         "eval_loss": finished[0]["eval_loss"] if finished else float("nan"),
         "same_state": len({r["sha3"] for r in finished}) == 1,
@@ -185,7 +192,7 @@ def torchrun_run(args: argparse.Namespace, tmp: Path) -> dict:
     run = launch()
     try:
         wait_commit_after(0.0)
-        for _ in range(args.torchrun_kills):
+        for _ in tqdm(range(args.torchrun_kills), desc="torchrun kills", file=sys.stderr):
             time.sleep(rng.uniform(args.kill_gap * 0.5, args.kill_gap * 1.5))
             workers = [
                 int(p)
@@ -217,8 +224,11 @@ def torchrun_run(args: argparse.Namespace, tmp: Path) -> dict:
             lost.append(max(0, step_at_kill + 1 - after[0][0]))
     out_f = tmp / "torchrun.json"
     out = json.loads(out_f.read_text()) if out_f.exists() else {}
+    t0 = rows[0][1] if rows else 0.0
     return {
         "recoveries": recoveries,
+        "kills": [round(t - t0, 3) for t, _, _ in kills],
+        "commits": _progress([(r[1] - t0, r[0]) for r in rows]),
         "steps_lost": sum(lost),
         "eval_loss": out.get("eval_loss", float("nan")),
     }
@@ -233,6 +243,16 @@ def _timeline(f: Path) -> list[tuple[int, float]]:
         if len(parts) == 2:
             rows.append((int(parts[0]), float(parts[1])))
     return rows
+
+
+def _progress(points: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """(seconds, step) of every commit, in time order, as the job's progress line: the steps a
+    restart redoes show as a drop."""
+    out: list[tuple[float, int]] = []
+    for t, step in sorted(points):
+        if not out or out[-1][1] != step:  # the first member to commit a step marks it
+            out.append((round(t, 3), step))
+    return out
 
 
 def _last_step(f: Path) -> int:
@@ -259,6 +279,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json")
     a = p.parse_args()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as d0, tempfile.TemporaryDirectory() as d1:
         faulty = elastic_run(a, a.kills, Path(d0))
         clean = elastic_run(a, 0, Path(d1))
@@ -282,9 +303,17 @@ def main() -> int:
         )
         print(f"  steps lost (redone from the checkpoint): {tr['steps_lost']}")
     if a.json:
-        Path(a.json).write_text(
-            json.dumps({"elastic": faulty, "clean": clean, "torchrun": tr, "loss_gap_pct": gap})
-        )
+        meta = {
+            "command": shlex.join(["python", "benches/bench_elastic.py", *sys.argv[1:]]),
+            "date": started,
+            "cpus": os.cpu_count(),
+            "title": f"{a.members} members on loopback: steps committed while members are "
+            "killed (kill -9), mcp_fast elastic vs torchrun restart-everything on Gloo",
+        }
+        clean.pop("commits", None)
+        out = {"meta": meta, "elastic": faulty, "clean": clean, "torchrun": tr}
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({**out, "loss_gap_pct": gap}) + "\n")
     return 0 if faulty["same_state"] else 1
 
 

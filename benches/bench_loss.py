@@ -1,6 +1,7 @@
 """Gloo vs mcp_fast all-reduce on a lossy link: same run, same link, same tensors.
 
     python benches/bench_loss.py [--worlds 2 4] [--mib 16 64] [--losses 0 0.05 0.2] [--rate 1gbit]
+                                 [--json docs/data/loss.json]
 
 Each link condition is a fresh network namespace made by ``mcp-chaos`` (needs root, iproute2,
 nftables): its loopback drops that share of packets, silently, on input (nftables
@@ -9,7 +10,8 @@ and mcp_fast's UDP go through the same rule. Inside, every rank runs Gloo and mc
 (one group per ``--lanes`` entry, ``MCP_LANE``) alternately on the same float32 tensor, and
 checks that every all-reduce gave exactly the right values. Prints a Markdown table: median
 time per all-reduce, speed-up over Gloo, and each mcp lane's slow-down against itself on the
-clean link.
+clean link. ``--json FILE`` also writes every row (seconds per all-reduce) for
+``benches/plots.py``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shlex
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 
 def free_port(kind: int) -> int:
@@ -129,6 +135,7 @@ def main() -> None:
     p.add_argument("--lanes", nargs="+", default=["auto"], help="MCP_LANE of each mcp group")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", help="also write the rows to this file (for benches/plots.py)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -144,25 +151,38 @@ def main() -> None:
     print(f"| link | ranks | size | Gloo | {lanes} | {vs} |")
     print("|---" * (4 + 3 * len(args.lanes)) + "|")
     clean: dict[tuple[int, int, str | None], dict[str, float]] = {}
-    for world in args.worlds:
-        for loss, rate in conds:
-            for row in run_condition(args, world, loss, rate):
-                key = (world, row["mib"], rate)
-                if loss == 0:
-                    clean[key] = row
-                base = clean.get(key, {})
-                link = f"{loss:.0%} loss" + (f", {rate}" if rate else "")
-                cells = " | ".join(f"{row[lane] * 1e3:.1f} ms" for lane in args.lanes)
-                ratios = " | ".join(
-                    f"{row['gloo'] / row[lane]:.2f}x | "
-                    + (f"{row[lane] / base[lane]:.2f}x" if lane in base else "-")
-                    for lane in args.lanes
-                )
-                print(
-                    f"| {link} | {world} | {row['mib']} MiB | {row['gloo'] * 1e3:.1f} ms "
-                    f"| {cells} | {ratios} |",
-                    flush=True,
-                )
+    records: list[dict[str, Any]] = []
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    todo = [(w, loss, rate) for w in args.worlds for loss, rate in conds]
+    for world, loss, rate in tqdm(todo, desc="links", unit="link", file=sys.stderr):
+        for row in run_condition(args, world, loss, rate):
+            records.append({"world": world, "loss": loss, "rate": rate, **row})
+            key = (world, row["mib"], rate)
+            if loss == 0:
+                clean[key] = row
+            base = clean.get(key, {})
+            link = f"{loss:.0%} loss" + (f", {rate}" if rate else "")
+            cells = " | ".join(f"{row[lane] * 1e3:.1f} ms" for lane in args.lanes)
+            ratios = " | ".join(
+                f"{row['gloo'] / row[lane]:.2f}x | "
+                + (f"{row[lane] / base[lane]:.2f}x" if lane in base else "-")
+                for lane in args.lanes
+            )
+            print(
+                f"| {link} | {world} | {row['mib']} MiB | {row['gloo'] * 1e3:.1f} ms "
+                f"| {cells} | {ratios} |",
+                flush=True,
+            )
+    if args.json:
+        meta = {
+            "command": shlex.join(["python", "benches/bench_loss.py", *sys.argv[1:]]),
+            "date": started,
+            "cpus": os.cpu_count(),
+            "lanes": args.lanes,
+            "iters": args.iters,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": records}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,17 +2,26 @@
 
     python benches/compare_codecs.py [--mib 16] [--world 2]
     mcp-chaos --rate 1gbit -- python benches/compare_codecs.py     # on a 1 Gbit/s link (root)
+        --link "1 Gbit/s (mcp-chaos --rate 1gbit)" --json docs/data/codecs.json
 
 The tensors look like gradients (normal, small spread, 10 % exact zeros). Prints time per
-all-reduce and the speed-up over Gloo for each codec.
+all-reduce and the speed-up over Gloo for each codec; ``--json FILE`` also writes the times
+(seconds) for ``benches/plots.py``, with ``--link`` (what link this ran on) in its title.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import os
+import shlex
 import socket
+import sys
 import time
+from pathlib import Path
+
+from tqdm import tqdm
 
 CODECS = ["none", "fp16", "bf16", "int8", "lossless"]
 
@@ -73,7 +82,7 @@ def worker(rank: int, world: int, ports: tuple[int, int], args: argparse.Namespa
     for c in CODECS:
         runs[f"mcp {c}"] = lambda c=c: g.all_reduce(t, codec=c, block=256)
     times: dict[str, float] = {}
-    for name, fn in runs.items():
+    for name, fn in tqdm(runs.items(), desc="transports", disable=rank != 0, file=sys.stderr):
         t.copy_(base)
         fn()
         dist.barrier()
@@ -96,7 +105,10 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--real", action="store_true", help="gradients of the demo model")
+    p.add_argument("--link", default="loopback", help="the link this runs on, for --json")
+    p.add_argument("--json", help="also write the times to this file (for benches/plots.py)")
     args = p.parse_args()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = (free_port(socket.SOCK_STREAM), free_port(socket.SOCK_DGRAM))
@@ -114,6 +126,18 @@ def main() -> None:
     print("|---|---|---|")
     for name, t in times.items():
         print(f"| {name} | {t * 1e3:.1f} ms | {times['gloo'] / t:.2f}x |")
+    if args.json:
+        meta = {
+            "command": shlex.join(["python", "benches/compare_codecs.py", *sys.argv[1:]]),
+            "date": started,
+            "cpus": os.cpu_count(),
+            "title": f"all-reduce of {what}, {args.world} ranks, {args.link}",
+        }
+        labels = {"gloo": "Gloo", "mcp none": "mcp_fast"}
+        labels.update({f"mcp {c}": f"mcp_fast\n{c}" for c in CODECS if c != "none"})
+        out = {"meta": meta, "times": times, "labels": labels}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import sys
 import time
+
+from tqdm import tqdm
 
 
 def free_port(kind: int) -> int:
@@ -42,7 +45,9 @@ def worker(rank: int, world: int, ports: tuple[int, int], args: argparse.Namespa
     )
     g = mcp.init(rank=rank, world_size=world, master_port=ports[1], secret="bench", timeout=120)
     rows = []
-    for nbytes in sizes(args.max_mib):
+    todo = sizes(args.max_mib)
+    desc = f"{world} ranks"
+    for nbytes in tqdm(todo, desc=desc, unit="size", disable=rank != 0, file=sys.stderr):
         t = torch.ones(nbytes // 4)
         iters = max(3, min(200, int(3e8 // max(nbytes, 1))))
         timing: dict[str, list[float]] = {"gloo": [], "mcp": []}

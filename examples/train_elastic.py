@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from mcp_fast.torch import ElasticDDP
 
@@ -116,6 +117,8 @@ def main() -> int:
     last_loss = float("nan")
     started = time.monotonic()
     timeline = open(a.timeline, "a", buffering=1) if a.timeline else None
+    # a progress bar on a terminal (tqdm), unless --quiet
+    bar = tqdm(total=a.steps, desc="steps", disable=a.quiet or not sys.stderr.isatty())
     try:
         while ddp.step < a.steps:
             ddp.begin()
@@ -130,11 +133,10 @@ def main() -> int:
                     )
                     os.replace(tmp, a.status)
                 if not a.quiet:
-                    print(
+                    tqdm.write(
                         f"[{ddp.job.member_id:x}] epoch {ddp.epoch}: rank {ddp.rank} of "
                         f"{ddp.world_size} at step {ddp.step}",
                         file=sys.stderr,
-                        flush=True,
                     )
             x, y = batch(train, ddp.step, ddp.rank, ddp.world_size, a.batch, a.seed)
             opt.zero_grad(set_to_none=True)
@@ -149,7 +151,10 @@ def main() -> int:
                     digests[ddp.step] = [ddp.epoch, ddp.state_digest()]
                 if timeline is not None:
                     timeline.write(f"{ddp.step} {ddp.epoch} {time.time():.6f}\n")
+                bar.set_postfix(loss=f"{last_loss:.3f}", members=ddp.world_size, refresh=False)
+            bar.update(ddp.step - bar.n)  # a step a newcomer healed past counts too
     finally:
+        bar.close()
         final = {
             "member_id": ddp.job.member_id,
             "steps_committed": committed,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from sklearn.datasets import load_digits
+from tqdm import tqdm
 
 from mcp_fast import ps
 
@@ -59,7 +60,8 @@ def train(w: ps.Worker, epochs: int, batch: int, slow: float, world: int) -> dic
         t0 = time.perf_counter()
         total = 0.0
         w.pull(into=params)
-        for i in range(steps):
+        show = w.worker_id == 0 and sys.stderr.isatty()  # worker 0's progress, on a terminal
+        for i in tqdm(range(steps), desc=f"epoch {epoch + 1}", leave=False, disable=not show):
             t_step = time.perf_counter()
             xb, yb = xs[i * batch : (i + 1) * batch], ys[i * batch : (i + 1) * batch]
             net.zero_grad()

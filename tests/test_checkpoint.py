@@ -364,3 +364,15 @@ def test_cli_info_verify_stats_restore(tmp_path: Path, capsys: pytest.CaptureFix
         check=False,
     )
     assert proc.returncode == 0 and "3 steps" in proc.stdout
+
+
+def test_verify_reports_progress_per_step(tmp_path: Path) -> None:
+    model, opt = training_state()
+    ckpt = DeltaCheckpointer(tmp_path, full_every=2)
+    for step in range(3):
+        train_step(model, opt, step)
+        ckpt.save({"model": model.state_dict(), "step": step}, step)
+    seen: list[int] = []
+    results = ckpt.verify(progress=lambda r: seen.append(r.step))
+    assert seen == [r.step for r in results] == [0, 1, 2]
+    assert all(r.ok for r in results)

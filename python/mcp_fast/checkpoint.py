@@ -33,7 +33,7 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -592,10 +592,11 @@ class DeltaCheckpointer:
                 result = _rebuild(sf.skeleton, tensors)
         return result
 
-    def verify(self) -> list[VerifyResult]:
+    def verify(self, progress: Callable[[VerifyResult], None] | None = None) -> list[VerifyResult]:
         """Decodes every committed step once, in order, checking every checksum and content
         hash. Returns one result per step, oldest first; a step whose base is damaged fails
-        too."""
+        too. ``progress``, if given, is called with each step's result as soon as it is known
+        (``mcp-ckpt verify`` draws its progress bar with it)."""
         steps = self._read_manifest()
         results: list[VerifyResult] = []
         values: dict[str, np.ndarray] = {}
@@ -616,6 +617,8 @@ class DeltaCheckpointer:
             except CheckpointError as e:
                 values, good = {}, None
                 results.append(VerifyResult(s.step, False, str(e)))
+            if progress is not None:
+                progress(results[-1])
         return results
 
     def prune(self, keep: int) -> list[int]:

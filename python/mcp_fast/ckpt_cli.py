@@ -51,8 +51,33 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``verify`` shows a progress bar (tqdm, when installed) on a terminal above this many
+#: stored bytes.
+PROGRESS_ABOVE = 256 << 20
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar of ``total`` bytes on stderr, or None (not a terminal, small, no tqdm)."""
+    if total <= PROGRESS_ABOVE or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
+
+
 def _verify(args: argparse.Namespace) -> int:
-    results = DeltaCheckpointer(args.dir).verify()
+    ckpt = DeltaCheckpointer(args.dir)
+    sizes = {s.step: s.stored_bytes for s in ckpt.info()} if sys.stderr.isatty() else {}
+    bar = _progress_bar(sum(sizes.values()), "verify")
+    try:
+        results = ckpt.verify(
+            progress=None if bar is None else lambda r: bar.update(sizes.get(r.step, 0))
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     for r in results:
         print(f"step {r.step}: OK" if r.ok else f"step {r.step}: FAILED: {r.error}")
     bad = sum(not r.ok for r in results)

@@ -1,4 +1,4 @@
-"""pytest-benchmark suite of the delta codec (run with ``pytest benches --benchmark-enable``).
+"""pytest-benchmark suite of the delta codec (`make bench`: ``pytest benches --benchmark-enable``).
 
 Float32 and bfloat16 tensors of 16 MiB changed as one AdamW step changes weights (relative
 change about 1e-3), encoded against the previous version; zstd-3 on the raw bytes in the same
