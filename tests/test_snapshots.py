@@ -246,3 +246,28 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SnapshotError, match="no snapshot of step 4"):
         snaps.rollback(step=4)
     assert isinstance(SnapshotError("x"), __import__("mcp_fast").MCPError)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_cuda_model_and_optimizer_roll_back_bit_exactly_and_stay_on_the_device() -> None:
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    model = model.cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, device="cuda")
+    snaps = Snapshots(model, opt, every=2)
+    for step in range(1, 5):
+        _train_step(model, opt, x)
+        snaps.maybe_take(step)
+    saved = _copy(model, opt)
+    _train_step(model, opt, x)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert snaps.rollback() == 4
+    _assert_same_state(model.state_dict(), saved[0])
+    _assert_same_state(opt.state_dict(), saved[1])
+    assert all(p.is_cuda for p in model.parameters())
+    assert all(v.is_cuda for s in opt.state.values() for k, v in s.items() if k != "step")
+    _train_step(model, opt, x)  # trains on after the rollback
+    assert torch.isfinite(next(model.parameters())).all()
