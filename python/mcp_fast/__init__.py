@@ -22,7 +22,7 @@ from .errors import (
     VersionMismatchError,
 )
 from .group import Chaos, Group, Work, init
-from .guards import GradientGuard, GuardResult
+from .guards import GradientGuard, GuardResult, SafeMode
 from .snapshots import SnapshotError, Snapshots
 
 __version__: str = _core.__version__
@@ -47,6 +47,7 @@ __all__ = [
     "PeerLostError",
     "PeerStalledError",
     "ProtocolError",
+    "SafeMode",
     "SnapshotError",
     "Snapshots",
     "SpecMismatchError",
