@@ -217,7 +217,7 @@ class _BackwardWatch:
     def _enter(self) -> None:
         torch = _torch()
         assert torch is not None
-        task = int(torch._C._current_graph_task_id())
+        task = _graph_task_id()
         with self._lock:
             if task in self._active:
                 return
@@ -239,10 +239,17 @@ class _BackwardWatch:
         self._handles.clear()
 
 
+def _graph_task_id() -> int:
+    """The autograd graph task running on this thread, -1 outside a backward pass (or where
+    torch lacks the query)."""
+    torch = _torch()
+    query = getattr(getattr(torch, "_C", None), "_current_graph_task_id", None)
+    return int(query()) if query is not None else -1
+
+
 def in_backward() -> bool:
     """Whether the calling thread is inside an autograd backward pass (e.g. in a hook)."""
-    torch = _torch()
-    return torch is not None and int(torch._C._current_graph_task_id()) != -1
+    return _graph_task_id() != -1
 
 
 class Snapshots:

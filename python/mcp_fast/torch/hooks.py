@@ -91,11 +91,25 @@ class _StepGuard:
         r = guard.judge(float(flags[0]), bool(flags[1] > 0))
         if r.apply_update:
             for b, fut, send in pending:
-                send(b).then(lambda f, fut=fut: fut.set_result(f.value()))
+                send(b).add_done_callback(_forward_to(fut))
         else:
             for b, fut, _ in pending:
                 b.zero_()
                 fut.set_result(b)
+
+
+def _forward_to(
+    fut: torch.futures.Future,
+) -> Callable[[torch.futures.Future], None]:
+    """A callback that completes ``fut`` with the result (or the error) of another future."""
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            fut.set_result(f.value())
+        except Exception as e:
+            fut.set_exception(e)
+
+    return done
 
 
 def _average(pg: Any, world: int, grad: torch.Tensor) -> torch.futures.Future:
