@@ -80,12 +80,16 @@ class _StepGuard:
         pg: Any,
         pending: list[tuple[torch.Tensor, torch.futures.Future, _Send]],
     ) -> None:
-        bufs = [b for b, _, _ in pending]
-        floats = [b for b in bufs if b.is_floating_point() and b.device.type == "cpu"]
-        norm, nonfinite = GradientGuard.norm(floats)
+        floats = [b for b, _, _ in pending if b.is_floating_point()]
+        host = [b for b in floats if b.device.type == "cpu"]
+        device = [b for b in floats if b.device.type != "cpu"]
+        # The norm by the Rust core; accelerator buckets are measured from a host copy.
+        norm, nonfinite = GradientGuard.norm(host + [b.detach().cpu() for b in device])
         factor = guard.clip_factor(norm) if not nonfinite else 1.0
-        if factor != 1.0:
-            GradientGuard.scale_(floats, factor)  # this rank's share, before it is sent
+        if factor != 1.0:  # this rank's share, before it is sent
+            GradientGuard.scale_(host, factor)
+            for b in device:
+                b.mul_(factor)
         flags = torch.tensor([0.0 if nonfinite else norm, float(nonfinite)], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
         r = guard.judge(float(flags[0]), bool(flags[1] > 0))
