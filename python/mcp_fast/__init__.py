@@ -7,7 +7,7 @@ MCP (Model Control Protocol) over QUIC with mutual TLS, from a Rust core::
     g.all_reduce(array)            # in place, numpy or torch CPU
 """
 
-from . import _core, checkpoint, delta, guards, ps
+from . import _core, checkpoint, delta, guards, ps, snapshots
 from .errors import (
     AuthenticationError,
     GradientError,
@@ -22,7 +22,8 @@ from .errors import (
     VersionMismatchError,
 )
 from .group import Chaos, Group, Work, init
-from .guards import GradientGuard, GuardResult
+from .guards import GradientGuard, GuardResult, SafeMode
+from .snapshots import SnapshotError, Snapshots
 
 __version__: str = _core.__version__
 PROTOCOL_VERSION: str = f"{_core.PROTOCOL_MAJOR}.{_core.PROTOCOL_MINOR}"
@@ -33,6 +34,7 @@ __all__ = [
     "delta",
     "guards",
     "ps",
+    "snapshots",
     "AuthenticationError",
     "Chaos",
     "GradientError",
@@ -45,6 +47,9 @@ __all__ = [
     "PeerLostError",
     "PeerStalledError",
     "ProtocolError",
+    "SafeMode",
+    "SnapshotError",
+    "Snapshots",
     "SpecMismatchError",
     "SupersededError",
     "VersionMismatchError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import weakref
 from collections.abc import Callable
@@ -433,6 +434,7 @@ class Group:
         """Deliver what was sent, say goodbye to the peers and release the socket."""
         core, self._core = self._core, None
         if core is not None:
+            _write_report(core)
             core.close()
         _live_groups.discard(self)
 
@@ -495,6 +497,32 @@ class Chaos:
             parts.append(f"burst={self.burst}")
             parts.append(f"burst_len={self.burst_len}")
         return ",".join(parts)
+
+
+def _write_report(core: _core.ProcessGroup) -> None:
+    """With ``MCP_CHAOS_REPORT`` set to a directory (``chaosmcp`` sets it), leaves this
+    group's transport and fault-injector counters there as JSON when it closes, for the
+    tool's summary. Never fails the close."""
+    directory = os.environ.get("MCP_CHAOS_REPORT")
+    if not directory:
+        return
+    try:
+        report = {
+            "pid": os.getpid(),
+            "rank": core.rank,
+            "world_size": core.world_size,
+            "chaos": os.environ.get("MCP_CHAOS", ""),
+            "stats": core.stats(),
+            "chaos_stats": core.chaos_stats(),
+        }
+        name = os.path.join(directory, f"rank{core.rank}-pid{os.getpid()}-{id(core):x}.json")
+        with open(name + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(name + ".tmp", name)
+    except Exception as e:  # a report is never worth failing the job for
+        import logging
+
+        logging.getLogger(__name__).warning("could not write the chaos report: %s", e)
 
 
 _live_groups: weakref.WeakSet[Group] = weakref.WeakSet()

@@ -43,7 +43,7 @@ from . import _core
 from ._buffers import Buffer, is_torch_tensor, view
 from .errors import GradientError
 
-__all__ = ["GradientGuard", "GradientWarning", "GuardResult"]
+__all__ = ["GradientGuard", "GradientWarning", "GuardResult", "SafeMode"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,9 @@ class GradientGuard:
         self.policy = policy
         self.trip_after = trip_after
         self._state = _core.GuardState(max_norm, trip_after)
+        self.last: GuardResult | None = None
+        """The verdict of the latest step judged (by :meth:`check`, :meth:`judge`, a DDP
+        hook or a parameter-server push), or ``None``."""
 
     @property
     def consecutive_bad(self) -> int:
@@ -160,6 +163,27 @@ class GradientGuard:
         bufs = _buffers(_gradients(params_or_grads), writable=False)
         return _core.grad_norm([(b.ptr, b.nbytes, b.dtype) for b in bufs])
 
+    def clip_factor(self, norm: float) -> float:
+        """The scale :meth:`check` applies to gradients of global norm ``norm`` above
+        ``max_norm`` (``max_norm / (norm + 1e-6)``; 1.0 at or under it, or non-finite)."""
+        if not math.isfinite(norm) or norm <= self.max_norm:
+            return 1.0
+        return self.max_norm / (norm + 1e-6)
+
+    @staticmethod
+    def scale_(params_or_grads: Any, factor: float) -> None:
+        """Multiplies the gradients by ``factor`` in place (by the Rust core)."""
+        for b in _buffers(_gradients(params_or_grads), writable=True):
+            _core.scale_(b.ptr, b.nbytes, b.dtype, factor)
+
+    def set_max_norm(self, max_norm: float) -> None:
+        """Changes ``max_norm`` (safe mode tightens it); forgets past bad steps."""
+        max_norm = float(max_norm)
+        if not (math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be positive and finite, got {max_norm}")
+        self.max_norm = max_norm
+        self._state = _core.GuardState(max_norm, self.trip_after)
+
     def check(self, params_or_grads: Any) -> GuardResult:
         """Judge one step's gradients, clipping them in place when the norm is too large.
 
@@ -172,10 +196,26 @@ class GradientGuard:
         if not nonfinite and norm > self.max_norm:
             # Fail on read-only inputs before the step is counted.
             bufs = _buffers(grads, writable=True)
-        verdict, factor, bad = self._state.check(norm)
-        if verdict == "clipped":
+        r = self.judge(norm, nonfinite, _stacklevel=3)
+        if r.verdict == "clipped":
             for b in bufs:
-                _core.scale_(b.ptr, b.nbytes, b.dtype, factor)
+                _core.scale_(b.ptr, b.nbytes, b.dtype, r.factor)
+        return r
+
+    def judge(self, norm: float, nonfinite: bool = False, *, _stacklevel: int = 2) -> GuardResult:
+        """Count one step whose global norm was measured elsewhere (e.g. the largest of every
+        rank's, as the DDP hooks do); changes no gradient. Returns the verdict (also kept in
+        :attr:`last`) with the factor :meth:`check` would clip by.
+
+        Raises:
+            GradientError: the guard tripped and the policy is ``"raise"``.
+        """
+        if nonfinite:
+            norm = math.nan
+        verdict, factor, bad = self._state.check(norm)
+        r = GuardResult(verdict, norm, factor, bad)
+        self.last = r
+        if verdict == "clipped":
             log.info(
                 "gradient norm %.4g > max_norm %.4g: clipped by %.4g", norm, self.max_norm, factor
             )
@@ -184,7 +224,7 @@ class GradientGuard:
                 f"non-finite gradients (NaN or Inf); skip this update ({bad} bad step(s) in a row)"
             )
             log.warning(msg)
-            warnings.warn(msg, GradientWarning, stacklevel=2)
+            warnings.warn(msg, GradientWarning, stacklevel=_stacklevel)
         elif verdict == "tripped":
             what = "non-finite" if nonfinite else f"norm {norm:.4g} > max_norm {self.max_norm:.4g}"
             msg = (
@@ -195,5 +235,163 @@ class GradientGuard:
                 log.error(msg)
                 raise GradientError(msg, norm=norm, consecutive=bad)
             log.warning("%s; skipping the update", msg)
-            warnings.warn(f"{msg}; skipping the update", GradientWarning, stacklevel=2)
-        return GuardResult(verdict, norm, factor, bad)
+            warnings.warn(f"{msg}; skipping the update", GradientWarning, stacklevel=_stacklevel)
+        return r
+
+
+class SafeMode:
+    """What a training loop does after the guard trips (the circuit breaker).
+
+    ::
+
+        guard = GradientGuard(max_norm=1.0, trip_after=3)
+        snaps = Snapshots(model, optimizer, every=50)
+        safe = SafeMode(guard, optimizer, snapshots=snaps)
+        for step in range(steps):
+            loss.backward()                 # a guarded DDP hook judges the step, or:
+            guard.check(model.parameters()) # judge it here
+            safe.step(step)                 # optimizer.step() unless the step is skipped
+            snaps.maybe_take(step)
+
+    :meth:`update` reads the step's verdict (``guard.last``):
+
+    - ``ok`` / ``clipped``: the update runs (returns ``True``).
+    - ``nonfinite``: the update is skipped. In safe mode it also rolls back to the newest
+      good snapshot: a NaN in safe mode means the state itself may be damaged.
+    - ``tripped`` (``trip_after`` bad steps in a row): the update is skipped and safe mode
+      begins, or begins again: roll back to the newest good snapshot taken before the bad
+      streak began (the newest one when ``step`` is not given), then multiply every
+      parameter group's learning rate by ``lr_factor`` and the guard's ``max_norm`` by
+      ``clip_factor`` (the guard starts counting anew).
+    - After ``recover_after`` updates in a row in safe mode, it ends: the learning rates
+      and ``max_norm`` are set back to what they were when it began (a learning-rate
+      scheduler's changes during safe mode are overridden).
+
+    Without ``snapshots`` nothing is rolled back; without ``optimizer`` no learning rate is
+    changed (a parameter-server worker, whose optimiser runs on the servers: its safe mode
+    clips harder). All ranks of a DDP job see the same verdicts (the hooks agree on them), so
+    they roll back and change their learning rates together.
+
+    Attributes:
+        active: whether safe mode is on.
+        entries: how many times it began.
+        rollbacks: how many rollbacks it did.
+    """
+
+    def __init__(
+        self,
+        guard: GradientGuard,
+        optimizer: Any = None,
+        *,
+        snapshots: Any = None,
+        lr_factor: float = 0.1,
+        clip_factor: float = 0.5,
+        recover_after: int = 100,
+    ) -> None:
+        if not isinstance(guard, GradientGuard):
+            raise TypeError(f"guard must be a GradientGuard, got {type(guard).__name__}")
+        for name, f in (("lr_factor", lr_factor), ("clip_factor", clip_factor)):
+            if not (isinstance(f, int | float) and 0 < f <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {f!r}")
+        if isinstance(recover_after, bool) or not isinstance(recover_after, int):
+            raise ValueError(f"recover_after must be an integer >= 1, got {recover_after!r}")
+        if recover_after < 1:
+            raise ValueError(f"recover_after must be an integer >= 1, got {recover_after!r}")
+        if optimizer is not None and not hasattr(optimizer, "param_groups"):
+            raise TypeError(f"optimizer: {type(optimizer).__name__} has no param_groups")
+        if snapshots is not None and not hasattr(snapshots, "rollback"):
+            raise TypeError(f"snapshots: {type(snapshots).__name__} has no rollback()")
+        self.guard = guard
+        self.optimizer = optimizer
+        self.snapshots = snapshots
+        self.lr_factor = float(lr_factor)
+        self.clip_factor = float(clip_factor)
+        self.recover_after = recover_after
+        self.active = False
+        self.entries = 0
+        self.rollbacks = 0
+        self._good = 0
+        self._base_lrs: list[float] = []
+        self._base_max_norm = guard.max_norm
+
+    def _rollback(self, max_step: int | None) -> None:
+        if self.snapshots is None:
+            return
+        from .snapshots import SnapshotError
+
+        try:
+            restored = self.snapshots.rollback(max_step=max_step)
+        except SnapshotError as e:
+            log.warning("safe mode cannot roll back: %s; training on from this state", e)
+            return
+        self.rollbacks += 1
+        log.warning("safe mode: rolled back to the snapshot of step %d", restored)
+        if self.active and self.optimizer is not None:
+            # The snapshot's learning rates may predate safe mode: lower them again.
+            for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+                g["lr"] = base * self.lr_factor
+
+    def _enter(self, r: GuardResult, step: int | None) -> None:
+        max_step = None if step is None else step - r.consecutive_bad
+        was_active = self.active
+        self._rollback(max_step)
+        if not was_active:
+            if self.optimizer is not None:
+                self._base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+                for g in self.optimizer.param_groups:
+                    g["lr"] = g["lr"] * self.lr_factor
+            self._base_max_norm = self.guard.max_norm
+            self.guard.set_max_norm(self._base_max_norm * self.clip_factor)
+        else:
+            self.guard.reset()
+        self.active = True
+        self.entries += 1
+        self._good = 0
+        log.warning(
+            "safe mode %s after %d bad steps: lr x%g, max_norm %.4g",
+            "continues" if was_active else "begins",
+            r.consecutive_bad,
+            self.lr_factor,
+            self.guard.max_norm,
+        )
+
+    def _leave(self) -> None:
+        if self.optimizer is not None:
+            for g, base in zip(self.optimizer.param_groups, self._base_lrs, strict=True):
+                g["lr"] = base
+        self.guard.set_max_norm(self._base_max_norm)
+        self.active = False
+        log.warning("safe mode ends after %d good steps", self._good)
+
+    def update(self, result: GuardResult | None = None, step: int | None = None) -> bool:
+        """Acts on one step's verdict (``guard.last`` by default); returns whether the
+        optimiser update should run. ``step``: the step being judged, so that a rollback goes
+        to a snapshot from before the bad streak. Call it between steps (rollbacks are refused
+        during a backward pass)."""
+        r = result if result is not None else self.guard.last
+        if r is None:
+            raise ValueError(
+                "no verdict to act on: the guard has not judged a step yet (call guard.check() "
+                "after backward, or register a guarded DDP hook)"
+            )
+        if r.verdict == "tripped":
+            self._enter(r, step)
+            return False
+        if r.verdict == "nonfinite":
+            if self.active:
+                self._rollback(None if step is None else step - 1)
+                self._good = 0
+            return False
+        if self.active:
+            self._good += 1
+            if self._good >= self.recover_after:
+                self._leave()
+        return True
+
+    def step(self, step: int | None = None) -> bool:
+        """:meth:`update`, then ``optimizer.step()`` when the update should run; returns
+        whether it ran."""
+        apply = self.update(step=step)
+        if apply and self.optimizer is not None:
+            self.optimizer.step()
+        return apply

@@ -56,6 +56,7 @@ its last checkpoint, and the gradients pushed to it for clocks it had not yet ap
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import secrets as _secrets
@@ -71,7 +72,10 @@ import numpy as np
 from . import _core
 from ._buffers import Buffer, view
 from .checkpoint import DeltaCheckpointer
+from .guards import GradientGuard
 from .settings import Settings
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Server",
@@ -341,6 +345,8 @@ class Worker:
         self._lock = threading.Lock()
         self.last_min_clock: int | None = None
         """The slowest live clock the servers reported at the last :meth:`step`."""
+        self.skipped_pushes = 0
+        """Pushes a guard refused (non-finite gradients, or the guard tripped)."""
         self.core = _core.PsWorker(
             list(servers),
             wid,
@@ -389,15 +395,43 @@ class Worker:
             out.append(b)
         return out
 
-    def push(self, grads: Mapping[str, Any], codec: str | None = None) -> None:
+    def _guarded(self, grads: Mapping[str, Any], guard: GradientGuard | None) -> bool:
+        """Judges the gradients with ``guard`` (clipping them in place above its
+        ``max_norm``); returns whether they may be pushed."""
+        if guard is None:
+            return True
+        if not isinstance(guard, GradientGuard):
+            raise TypeError(f"guard must be a GradientGuard, got {type(guard).__name__}")
+        self._check(grads, "grads", writable=False)  # names a bad tensor before judging
+        r = guard.check(list(grads.values()))
+        if not r.apply_update:
+            self.skipped_pushes += 1
+            log.warning("worker %d: gradients not pushed (%s)", self.worker_id, r.verdict)
+        return r.apply_update
+
+    def push(
+        self,
+        grads: Mapping[str, Any],
+        codec: str | None = None,
+        *,
+        guard: GradientGuard | None = None,
+    ) -> bool:
         """Pushes gradients (any subset of the tensors) for the current clock; returns once
-        every server has taken them."""
+        every server has taken them.
+
+        ``guard``: a :class:`~mcp_fast.guards.GradientGuard` that judges the gradients
+        before they go on the wire: above its ``max_norm`` they are clipped in place, and
+        non-finite ones (or a trip) are not pushed at all. Returns whether they were pushed
+        (the verdict is in ``guard.last``)."""
+        if not self._guarded(grads, guard):
+            return False
         bufs = self._check(grads, "grads", writable=False)
         self.core.push(
             [(k, b.ptr, b.nbytes) for k, b in zip(grads, bufs, strict=True)],
             codec=codec or self.codec,
             block=self.block,
         )
+        return True
 
     def pull(self, into: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The current parameters: into the given tensors in place (any subset), or into new
@@ -414,11 +448,16 @@ class Worker:
         into: Mapping[str, Any] | None = None,
         *,
         codec: str | None = None,
+        guard: GradientGuard | None = None,
     ) -> int:
         """Finishes this clock; returns the new clock once the staleness bound allows.
 
         With ``grads`` and/or ``into``, it is ``push(grads)``, the step and ``pull(into)``
-        in one round trip per server (the fast path of a training loop)."""
+        in one round trip per server (the fast path of a training loop). ``guard``: as for
+        :meth:`push`; gradients it refuses are left out, the clock still advances and
+        ``into`` is still pulled."""
+        if grads is not None and not self._guarded(grads, guard):
+            grads = {}
         if grads is None and into is None:
             clock, low = self.core.advance()
         else:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from .backend import MCPProcessGroup, register
 from .elastic import ElasticDDP, state_spec
-from .hooks import CompressionState, compression_hook
+from .hooks import CompressionState, GuardedState, compression_hook, guarded_allreduce_hook
 
 __all__ = [
     "CompressionState",
     "ElasticDDP",
+    "GuardedState",
     "MCPProcessGroup",
     "compression_hook",
+    "guarded_allreduce_hook",
     "register",
     "state_spec",
 ]
