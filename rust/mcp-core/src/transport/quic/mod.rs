@@ -445,7 +445,10 @@ impl QuicTransport {
 
     /// How long the last reconnection took (from the break to the new connection), if any.
     pub fn last_reconnect(&self) -> Option<Duration> {
-        *self.last_reconnect.lock().unwrap_or_else(|p| p.into_inner())
+        *self
+            .last_reconnect
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// The fault injector's counters, when chaos is configured.

@@ -61,7 +61,12 @@ pub(super) fn reconnect(
     Box::pin(reconnect_now(me, peer, broken, why))
 }
 
-async fn reconnect_now(me: Weak<QuicTransport>, peer: usize, broken: Connection, why: &'static str) {
+async fn reconnect_now(
+    me: Weak<QuicTransport>,
+    peer: usize,
+    broken: Connection,
+    why: &'static str,
+) {
     let Some(t) = me.upgrade() else { return };
     let Some(slot) = t.peers.get(peer) else {
         return;
@@ -109,9 +114,7 @@ async fn reconnect_now(me: Weak<QuicTransport>, peer: usize, broken: Connection,
     match res {
         Ok(()) => {
             let took = started.elapsed();
-            *t.last_reconnect
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = Some(took);
+            *t.last_reconnect.lock().unwrap_or_else(|p| p.into_inner()) = Some(took);
         }
         Err(e) => {
             if t.mailbox.peer_error(peer).is_none() {
