@@ -363,6 +363,12 @@ class Worker:
         return self.core.worker
 
     @property
+    def resends(self) -> int:
+        """Requests sent again because they or their reply failed a checksum (damaged above
+        QUIC, e.g. in memory); each is resent under its id, at most 8 times."""
+        return self.core.resends
+
+    @property
     def generation(self) -> int:
         """How many replacements have held this id before (0 for the first holder)."""
         return self.core.generation

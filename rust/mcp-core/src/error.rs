@@ -67,6 +67,10 @@ pub enum Error {
     /// The group was closed or aborted.
     #[error("the group is closed: {0}")]
     Closed(String),
+    /// A message failed its checksum: damaged above the transport (in memory, by a bad copy).
+    /// Its sender may send it again; after too many tries it is a [`Error::Protocol`].
+    #[error("damaged message: {0}")]
+    Damaged(String),
     /// A replacement took this process's place (its worker id) while it was dropped as dead.
     #[error("superseded: {0}")]
     Superseded(String),

@@ -41,7 +41,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Authentication { .. } => exception(py, "AuthenticationError", msg, None),
         Error::VersionMismatch { .. } => exception(py, "VersionMismatchError", msg, None),
         Error::InvalidArgument(m) => PyValueError::new_err(m),
-        Error::Protocol(_) => exception(py, "ProtocolError", msg, None),
+        Error::Protocol(_) | Error::Damaged(_) => exception(py, "ProtocolError", msg, None),
         Error::Closed(_) => exception(py, "GroupClosedError", msg, None),
         Error::Superseded(_) => exception(py, "SupersededError", msg, None),
         Error::Io(_) => exception(py, "MCPError", msg, None),

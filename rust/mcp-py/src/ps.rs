@@ -329,6 +329,12 @@ impl PsWorker {
         self.inner.worker()
     }
 
+    /// Requests sent again because they or their reply failed a checksum.
+    #[getter]
+    fn resends(&self) -> u64 {
+        self.inner.resends()
+    }
+
     /// The generation of the id this worker holds (0 unless it claimed a vacant one).
     #[getter]
     fn generation(&self) -> u64 {

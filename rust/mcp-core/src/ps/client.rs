@@ -28,6 +28,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+/// Resends of a request whose request or reply failed a checksum, before the call fails.
+const RESEND_LIMIT: u32 = crate::transport::DEFAULT_RESEND_LIMIT;
+
 /// How a worker connects.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -80,6 +83,10 @@ pub struct PsClient {
     chaos: Option<Arc<ChaosStats>>,
     retries: AtomicU64,
     reconnects: AtomicU64,
+    /// Requests sent again because they or their reply failed a checksum.
+    resends: AtomicU64,
+    /// Damage to inject into requests (chaos `corrupt=`).
+    damage: Option<net::Damage>,
 }
 
 /// Where a reply's data section goes.
@@ -134,6 +141,8 @@ impl PsClient {
             chaos: b.chaos,
             retries: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
+            resends: AtomicU64::new(0),
+            damage: net::Damage::of(cfg.chaos, u64::from(cfg.worker.unwrap_or(u32::MAX)) + 1),
             cfg,
         });
         let deadline = Instant::now() + c.cfg.timeout;
@@ -200,16 +209,7 @@ impl PsClient {
                 let conn = self.dial(0, addr).await?;
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 let rep = self
-                    .exchange(
-                        &conn,
-                        0,
-                        id,
-                        &Request::Claim { wait },
-                        Codec::None,
-                        0,
-                        Bytes::new(),
-                        Sink::None,
-                    )
+                    .exchange_small(&conn, 0, id, &Request::Claim { wait })
                     .await?;
                 Ok::<_, Error>((conn, rep))
             };
@@ -323,6 +323,11 @@ impl PsClient {
         )
     }
 
+    /// Requests sent again because they or their reply failed a checksum.
+    pub fn resends(&self) -> u64 {
+        self.resends.load(Ordering::Relaxed)
+    }
+
     /// The fault injector's counters, with chaos.
     pub fn chaos_stats(&self) -> Option<&ChaosStats> {
         self.chaos.as_deref()
@@ -398,15 +403,11 @@ impl PsClient {
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(
                 left,
-                self.exchange(
+                self.exchange_small(
                     &conn,
                     slot,
                     self.next_id.fetch_add(1, Ordering::Relaxed),
                     &reg,
-                    Codec::None,
-                    0,
-                    Bytes::new(),
-                    Sink::None,
                 ),
             )
             .await
@@ -486,10 +487,18 @@ impl PsClient {
             numel,
             &meta,
             data,
+            self.damage.as_ref(),
         )
         .await?;
         let head: Head = net::read_head(&mut recv, FrameKind::PsReply).await?;
-        let rep = Reply::decode(head.header.aux, &head.meta)?;
+        let rep = match Reply::decode(head.header.aux, &head.meta) {
+            Ok(r) => r,
+            Err(e) => {
+                // Damaged metadata reads as nonsense: the checksum tells which it is.
+                head.drain_checked(&mut recv).await?;
+                return Err(e);
+            }
+        };
         match (&rep, sink) {
             (Reply::Data { .. }, Sink::Into(buf)) => {
                 if head.data_len() != buf.len() as u64 {
@@ -533,6 +542,45 @@ impl PsClient {
         Ok(rep)
     }
 
+    /// [`PsClient::exchange`] of a request without data, sent again (same id) while it or
+    /// its reply fails a checksum, at most [`RESEND_LIMIT`] times.
+    async fn exchange_small(
+        &self,
+        conn: &Connection,
+        slot: usize,
+        id: u64,
+        req: &Request,
+    ) -> Result<Reply> {
+        let mut tries = 0;
+        loop {
+            let r = self
+                .exchange(
+                    conn,
+                    slot,
+                    id,
+                    req,
+                    Codec::None,
+                    0,
+                    Bytes::new(),
+                    Sink::None,
+                )
+                .await;
+            let damaged = matches!(
+                &r,
+                Err(Error::Damaged(_))
+                    | Ok(Reply::Error {
+                        code: ErrorCode::Damaged,
+                        ..
+                    })
+            );
+            if !damaged || tries >= RESEND_LIMIT {
+                return r;
+            }
+            tries += 1;
+            self.resends.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// A request to `slot` with retries (fresh connection, backoff) until `deadline`. A
     /// `NotLive` answer registers again and retries at once.
     #[allow(clippy::too_many_arguments)]
@@ -550,6 +598,7 @@ impl PsClient {
         // One id for every attempt: a server that took the first one ignores a retry.
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut forgotten = 0;
+        let mut damaged = 0;
         loop {
             let conn = self.connection(slot, deadline).await?;
             // Bounded even if a server stops answering on a live connection; a server holds
@@ -567,6 +616,26 @@ impl PsClient {
                     after: left,
                 }),
             };
+            // The request or its reply failed a checksum: the same request again, at once.
+            let damage = match &r {
+                Ok(Reply::Error {
+                    code: ErrorCode::Damaged,
+                    message,
+                }) => Some(message.clone()),
+                Err(Error::Damaged(m)) => Some(m.clone()),
+                _ => None,
+            };
+            if let Some(m) = damage {
+                damaged += 1;
+                if damaged > RESEND_LIMIT {
+                    return Err(Error::Protocol(format!(
+                        "{} with parameter server {slot}: {m}; it failed {damaged} times and {RESEND_LIMIT} resends did not repair it (resend limit {RESEND_LIMIT})",
+                        req.name()
+                    )));
+                }
+                self.resends.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let retry = match r {
                 Ok(Reply::Error {
                     code: ErrorCode::NotLive,
@@ -578,19 +647,7 @@ impl PsClient {
                     self.retries.fetch_add(1, Ordering::Relaxed);
                     let reg = self.register_request();
                     let rid = self.next_id.fetch_add(1, Ordering::Relaxed);
-                    match self
-                        .exchange(
-                            &conn,
-                            slot,
-                            rid,
-                            &reg,
-                            Codec::None,
-                            0,
-                            Bytes::new(),
-                            Sink::None,
-                        )
-                        .await
-                    {
+                    match self.exchange_small(&conn, slot, rid, &reg).await {
                         Ok(Reply::Clock { clock, .. }) => {
                             self.clock.fetch_max(clock, Ordering::AcqRel);
                         }
@@ -965,15 +1022,11 @@ impl PsClient {
             if let Some(c) = conn.filter(|c| c.close_reason().is_none()) {
                 let _ = tokio::time::timeout(
                     Duration::from_millis(500),
-                    self.exchange(
+                    self.exchange_small(
                         &c,
                         slot,
                         self.next_id.fetch_add(1, Ordering::Relaxed),
                         &Request::Leave,
-                        Codec::None,
-                        0,
-                        Bytes::new(),
-                        Sink::None,
                     ),
                 )
                 .await;

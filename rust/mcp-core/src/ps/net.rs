@@ -1,5 +1,10 @@
 //! QUIC plumbing of the parameter server: endpoints with the job's mutual TLS, and one
 //! framed message per direction on a bidirectional stream.
+//!
+//! A message that fails its checksum (damaged above QUIC: in memory, by a bad copy) is
+//! [`Error::Damaged`]: the server answers a damaged request with `Damaged`, and the client
+//! sends a request again, under the same id, when either its request or the reply was
+//! damaged (every request is idempotent under its id), up to the resend limit.
 
 use crate::error::{Error, Result};
 use crate::transport::quic::chaos::ChaosConfig;
@@ -9,7 +14,46 @@ use crate::{DType, ReduceOp};
 use bytes::Bytes;
 use quinn::{RecvStream, SendStream};
 use std::net::SocketAddr;
+use std::sync::Mutex;
 use std::time::Duration;
+
+/// Damage to inject into sent messages (chaos `corrupt=p`): one bit of a message's
+/// metadata or data flipped with probability `p`, after its checksum was computed, as a
+/// flipped bit in memory would be.
+pub(crate) struct Damage {
+    p: f64,
+    rng: Mutex<rand::rngs::StdRng>,
+}
+
+impl Damage {
+    /// The damage `chaos` asks for, seeded with its seed and `salt`; `None` when none.
+    pub(crate) fn of(chaos: Option<ChaosConfig>, salt: u64) -> Option<Damage> {
+        let c = chaos.filter(|c| c.corrupt > 0.0)?;
+        Some(Damage {
+            p: c.corrupt.clamp(0.0, 1.0),
+            rng: Mutex::new(<rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(
+                c.seed ^ salt.rotate_left(17),
+            )),
+        })
+    }
+
+    /// The bit of a `len`-byte section to flip, or `None` to send it intact.
+    fn bit(&self, len: usize) -> Option<usize> {
+        if len == 0 {
+            return None;
+        }
+        let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner());
+        rand::Rng::random_bool(&mut *rng, self.p)
+            .then(|| rand::Rng::random_range(&mut *rng, 0..len * 8))
+    }
+}
+
+fn damaged(header: &Header) -> Error {
+    Error::Damaged(format!(
+        "parameter-server message {} from {} failed its checksum (corrupted in transit or in memory)",
+        header.seq, header.src
+    ))
+}
 
 /// ALPN of the parameter-server protocol.
 pub(crate) fn alpn() -> Vec<u8> {
@@ -66,12 +110,27 @@ impl Head {
     /// Checks a running CRC ([`read_data_crc`]) of the whole data section.
     pub fn check_crc(&self, crc: u32) -> Result<()> {
         if crc != self.header.payload_crc {
-            return Err(Error::Protocol(format!(
-                "parameter-server message {} from {} failed its checksum (corrupted in transit or in memory)",
-                self.header.seq, self.header.src
-            )));
+            return Err(damaged(&self.header));
         }
         Ok(())
+    }
+
+    /// After the metadata did not decode: reads the rest of the message and tells whether it
+    /// was damaged ([`Error::Damaged`]) or is intact (then the metadata is wrong, `Ok`).
+    pub async fn drain_checked(&self, recv: &mut RecvStream) -> Result<()> {
+        let mut crc = self.crc_start();
+        let mut left = self.data_len();
+        while left > 0 {
+            match recv.read_chunk(left as usize, true).await {
+                Ok(Some(c)) => {
+                    crc = crc32c::crc32c_append(crc, &c.bytes);
+                    left = left.saturating_sub(c.bytes.len() as u64);
+                }
+                Ok(None) => break,
+                Err(e) => return Err(lost("receive", e)),
+            }
+        }
+        self.check_crc(crc)
     }
 
     /// Checks the payload CRC once `data` (the data section) has been read.
@@ -84,13 +143,7 @@ impl Head {
         let crc = parts.iter().fold(crc32c::crc32c(&self.meta), |c, p| {
             crc32c::crc32c_append(c, p)
         });
-        if crc != self.header.payload_crc {
-            return Err(Error::Protocol(format!(
-                "parameter-server message {} from {} failed its checksum (corrupted in transit or in memory)",
-                self.header.seq, self.header.src
-            )));
-        }
-        Ok(())
+        self.check_crc(crc)
     }
 }
 
@@ -103,7 +156,8 @@ fn lost(what: &str, e: impl std::fmt::Display) -> Error {
     }
 }
 
-/// Writes one message and finishes the stream.
+/// Writes one message and finishes the stream (with `damage`, maybe a bit flipped after
+/// the checksum was computed).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn write_msg(
     send: &mut SendStream,
@@ -115,6 +169,7 @@ pub(crate) async fn write_msg(
     numel: u64,
     meta: &[u8],
     data: Bytes,
+    damage: Option<&Damage>,
 ) -> Result<()> {
     let header = Header {
         kind,
@@ -136,7 +191,19 @@ pub(crate) async fn write_msg(
     };
     let mut buf = Vec::with_capacity(header.encoded_len() + meta.len() + 64);
     header.encode(&mut buf)?;
+    let head_len = buf.len();
     buf.extend_from_slice(meta);
+    let mut data = data;
+    if let Some(bit) = damage.and_then(|d| d.bit(meta.len() + data.len())) {
+        let (byte, mask) = (bit / 8, 1u8 << (bit % 8));
+        if byte < meta.len() {
+            buf[head_len + byte] ^= mask;
+        } else {
+            let mut v = data.to_vec();
+            v[byte - meta.len()] ^= mask;
+            data = Bytes::from(v);
+        }
+    }
     if data.len() <= 16 << 10 {
         buf.extend_from_slice(&data);
         send.write_all(&buf).await.map_err(|e| lost("send", e))?;

@@ -142,6 +142,8 @@ pub enum ErrorCode {
     Other = 7,
     /// A replacement holds the worker's id now.
     Superseded = 8,
+    /// The request failed its checksum: send it again.
+    Damaged = 9,
 }
 
 impl ErrorCode {
@@ -155,6 +157,7 @@ impl ErrorCode {
             Protocol,
             Closed,
             Superseded,
+            Damaged,
         ]
         .into_iter()
         .find(|k| *k as u8 == c)
@@ -170,6 +173,7 @@ impl ErrorCode {
             Error::Protocol(_) => ErrorCode::Protocol,
             Error::Closed(_) => ErrorCode::Closed,
             Error::Superseded(_) => ErrorCode::Superseded,
+            Error::Damaged(_) => ErrorCode::Damaged,
             _ => ErrorCode::Other,
         }
     }
@@ -228,6 +232,7 @@ impl Reply {
             ErrorCode::Protocol => Error::Protocol(m),
             ErrorCode::Closed => Error::Closed(m),
             ErrorCode::Superseded => Error::Superseded(m),
+            ErrorCode::Damaged => Error::Damaged(m),
             ErrorCode::NotLive | ErrorCode::Other => Error::Io(m),
         }
     }

@@ -78,6 +78,8 @@ struct Inner {
     /// Taken (and so dropped, releasing the socket) by `close`.
     endpoint: Mutex<Option<Endpoint>>,
     kill: Arc<AtomicBool>,
+    /// Damage to inject into replies (chaos `corrupt=`).
+    damage: Option<net::Damage>,
     chaos: Option<Arc<ChaosStats>>,
     closing: AtomicBool,
     refused: AtomicU64,
@@ -130,6 +132,7 @@ impl PsServer {
             endpoint: Mutex::new(Some(b.endpoint)),
             kill: b.kill,
             chaos: b.chaos,
+            damage: net::Damage::of(cfg.chaos, u64::MAX),
             closing: AtomicBool::new(false),
             refused: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
@@ -360,7 +363,7 @@ async fn handle_stream(
     let (rep, data) = match answer(inner, conn_id, worker, &head, &mut recv).await {
         Ok(r) => r,
         Err(e) => {
-            if matches!(e, Error::Protocol(_)) {
+            if matches!(e, Error::Protocol(_) | Error::Damaged(_)) {
                 inner.corrupt.fetch_add(1, Ordering::Relaxed);
             }
             (error_reply(&e), Bytes::new())
@@ -399,6 +402,7 @@ async fn reply(
         numel,
         &meta,
         data,
+        inner.damage.as_ref(),
     )
     .await
 }
@@ -419,7 +423,14 @@ async fn answer(
     head: &Head,
     recv: &mut RecvStream,
 ) -> Result<(Reply, Bytes)> {
-    let req = Request::decode(head.header.aux, &head.meta)?;
+    let req = match Request::decode(head.header.aux, &head.meta) {
+        Ok(r) => r,
+        Err(e) => {
+            // Damaged metadata reads as nonsense: the checksum tells which it is.
+            head.drain_checked(recv).await?;
+            return Err(e);
+        }
+    };
     let w = head.header.src;
     inner
         .bytes_in
@@ -561,9 +572,10 @@ async fn answer(
             // Each push straight into its own buffer, the CRC computed on the way.
             let codec = head.header.spec.codec;
             let mut crc = head.crc_start();
+            let mut coded = Vec::with_capacity(pushes.len());
             let mut grads = Vec::with_capacity(pushes.len());
             for (key, offset, numel, nbytes) in pushes {
-                let g = if codec == Codec::None {
+                if codec == Codec::None {
                     if nbytes != numel * 4 || numel > net::MAX_DATA / 4 {
                         return Err(Error::Protocol(format!(
                             "{nbytes} bytes for {numel} float32 elements"
@@ -571,15 +583,21 @@ async fn answer(
                     }
                     let mut g = vec![0f32; numel as usize];
                     net::read_data_crc(recv, bytemuck::cast_slice_mut(&mut g), &mut crc).await?;
-                    g
+                    grads.push((key, offset, g));
                 } else {
+                    if nbytes > net::MAX_DATA {
+                        return Err(Error::Protocol(format!("a push announces {nbytes} bytes")));
+                    }
                     let mut enc = vec![0u8; nbytes as usize];
                     net::read_data_crc(recv, &mut enc, &mut crc).await?;
-                    net::decode_f32(codec, &enc, numel)?
-                };
-                grads.push((key, offset, g));
+                    coded.push((key, offset, numel, enc));
+                }
             }
+            // Checked before decoding: damaged codes are resent, not decoded into nonsense.
             head.check_crc(crc)?;
+            for (key, offset, numel, enc) in coded {
+                grads.push((key, offset, net::decode_f32(codec, &enc, numel)?));
+            }
             if let Some((key, offset, _)) = grads
                 .iter()
                 .find(|(_, _, g)| g.iter().any(|x| !x.is_finite()))
@@ -654,6 +672,29 @@ async fn claim(
     wait: Duration,
 ) -> Result<(Reply, Bytes)> {
     let expected = u32::try_from(inner.cfg.num_workers).unwrap_or(u32::MAX);
+    // A claim sent again (its reply was damaged) gets the id this connection took.
+    let held = *worker_slot.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = held {
+        let mine = inner
+            .owner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&w)
+            == Some(&conn_id);
+        let s = inner.store();
+        if let (true, Some(clock), Some(generation)) =
+            (mine, s.clocks().clock_of(w), s.clocks().generation_of(w))
+        {
+            return Ok((
+                Reply::Claimed {
+                    worker: w,
+                    generation,
+                    clock,
+                },
+                Bytes::new(),
+            ));
+        }
+    }
     let deadline = Instant::now() + wait;
     let mut rx = inner.changed.subscribe();
     loop {

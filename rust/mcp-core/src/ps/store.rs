@@ -11,7 +11,7 @@
 use super::optim::{OptState, Optimizer};
 use super::ssp::ClockTable;
 use crate::error::{Error, Result};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 /// A piece's identity on a server: tensor name and first element.
 pub type PieceId = (String, u64);
@@ -31,9 +31,11 @@ pub struct Piece {
 struct Pending {
     /// Per piece, per worker (summed in worker order at apply time).
     grads: HashMap<PieceId, BTreeMap<u32, Vec<f32>>>,
-    /// (worker, request id) of the pushes already taken: a retried push is not added twice.
-    seen: HashSet<(u32, u64)>,
 }
+
+/// How many pushes are remembered by (worker, request id), so that one sent again (its
+/// reply was lost or damaged) is not added twice, even after its clock was applied.
+const SEEN_PUSHES: usize = 1 << 16;
 
 /// How the gradients of one clock are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +71,9 @@ pub struct Store {
     applied: u64,
     clocks: ClockTable,
     stats: StoreStats,
+    /// (worker, request id) of the pushes taken lately, oldest first.
+    seen: HashSet<(u32, u64)>,
+    seen_order: VecDeque<(u32, u64)>,
 }
 
 impl Store {
@@ -83,6 +88,8 @@ impl Store {
             applied: 0,
             clocks: ClockTable::new(),
             stats: StoreStats::default(),
+            seen: HashSet::new(),
+            seen_order: VecDeque::new(),
         }
     }
 
@@ -125,7 +132,8 @@ impl Store {
     }
 
     /// Takes a push of `grad` for a piece at `clock` (clocks already applied fold into the
-    /// oldest open one). A push with a (worker, request) pair already seen is ignored.
+    /// oldest open one). A push with a (worker, request) pair already taken is ignored, also
+    /// once its clock was applied.
     pub fn push(
         &mut self,
         worker: u32,
@@ -144,12 +152,18 @@ impl Store {
                 piece.params.len()
             )));
         }
-        let clock = clock.max(self.applied);
-        let pending = self.pending.entry(clock).or_default();
-        if !pending.seen.insert((worker, request)) {
+        if !self.seen.insert((worker, request)) {
             self.stats.duplicate_pushes += 1;
             return Ok(());
         }
+        self.seen_order.push_back((worker, request));
+        if self.seen_order.len() > SEEN_PUSHES {
+            if let Some(old) = self.seen_order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        let clock = clock.max(self.applied);
+        let pending = self.pending.entry(clock).or_default();
         self.stats.pushes += 1;
         match pending.grads.entry(id).or_default().entry(worker) {
             std::collections::btree_map::Entry::Vacant(v) => {
@@ -368,6 +382,21 @@ mod tests {
         assert_eq!(s.pull("w", 0).expect("pull"), &[0.5, 0.0]);
         assert_eq!(s.applied_through(), 1);
         assert!(s.may_proceed(1, None));
+    }
+
+    #[test]
+    fn a_push_sent_again_after_its_clock_was_applied_is_not_added_twice() {
+        let mut s = Store::new(sgd(1.0, 0.0), Aggregate::Sum, 0);
+        s.init("w", 0, vec![0.0]);
+        s.register(0, 0, 0).expect("reg");
+        s.push(0, 7 << 16, 0, "w", 0, vec![1.0]).expect("push");
+        s.advance(0, 1).expect("adv");
+        assert_eq!(s.pull("w", 0).expect("pull"), &[-1.0]);
+        // its reply was damaged: the same request comes again, clock 0 is long applied
+        s.push(0, 7 << 16, 0, "w", 0, vec![1.0]).expect("again");
+        s.advance(0, 2).expect("adv");
+        assert_eq!(s.pull("w", 0).expect("pull"), &[-1.0], "applied once");
+        assert_eq!(s.stats().duplicate_pushes, 1);
     }
 
     #[test]
