@@ -249,6 +249,11 @@ class DiLoCo:
         """Outer steps of fragment 0 completed (every outer step, without fragments)."""
         return self._fragments[0].syncs
 
+    @property
+    def fragment_syncs(self) -> list[int]:
+        """Outer steps merged so far, per fragment."""
+        return [f.syncs for f in self._fragments]
+
     def step(self) -> bool:
         """Call after every inner ``optimizer.step()``. Counts it; merges the fragments whose
         averaged pseudo-gradient is due, and starts the outer step of those whose turn it is.
