@@ -15,12 +15,14 @@ from __future__ import annotations
 from .backend import MCPProcessGroup, register
 from .diloco import DiLoCo, LocalSGD, PseudoGradientWarning
 from .elastic import ElasticDDP, state_spec
+from .elastic_diloco import ElasticDiLoCo
 from .hooks import CompressionState, compression_hook
 
 __all__ = [
     "CompressionState",
     "DiLoCo",
     "ElasticDDP",
+    "ElasticDiLoCo",
     "LocalSGD",
     "MCPProcessGroup",
     "PseudoGradientWarning",

@@ -153,16 +153,17 @@ class DiLoCo:
     ``mix * θ_outer + (1 - mix) * θ_local`` (``mix``: 1 without delay, 0.5 with, as in
     Streaming DiLoCo); without delay, every member holds ``θ_outer`` after each outer step.
 
-    ``check_model`` compares the members' models at construction (two small all-gathers);
-    ``broadcast`` then gives every member rank 0's parameters, so that all start from the
-    same ``θ_outer``.
+    ``group`` may be None at construction (set ``.group`` before the first outer step: an
+    elastic job gives a new group to every epoch). ``check_model`` compares the members'
+    models at construction (two small all-gathers); ``broadcast`` then gives every member
+    rank 0's parameters, so that all start from the same ``θ_outer``.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        group: Group,
+        group: Group | None,
         *,
         sync_every: int = 50,
         outer_lr: float = 0.7,
@@ -230,9 +231,9 @@ class DiLoCo:
                 )
             )
         self._pool: ThreadPoolExecutor | None = None
-        if check_model:
+        if check_model and group is not None:
             check_same_model(group, model)
-        if broadcast:
+        if broadcast and group is not None:
             self._broadcast_from_0(params)
         self._bytes_base = self._bytes_now()
         self._started: float | None = None
@@ -368,8 +369,13 @@ class DiLoCo:
 
     # -- the outer step -------------------------------------------------------------------
 
+    def _g(self) -> Group:
+        if self.group is None:
+            raise RuntimeError("DiLoCo.group is not set: give it the outer group first")
+        return self.group
+
     def _broadcast_from_0(self, params: list[torch.Tensor]) -> None:
-        if self.group.world_size == 1:
+        if self._g().world_size == 1:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
@@ -377,7 +383,7 @@ class DiLoCo:
         with torch.no_grad():
             for ps in by_dtype.values():
                 flat = torch.cat([p.detach().reshape(-1).cpu() for p in ps])
-                self.group.broadcast(flat, src=0)
+                self._g().broadcast(flat, src=0)
                 offset = 0
                 for p in ps:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -388,7 +394,7 @@ class DiLoCo:
 
     def _bytes_now(self) -> int:
         try:
-            return int(self.group.stats().get("bytes_sent", 0))
+            return int(self._g().stats().get("bytes_sent", 0))
         except Exception:  # a closed group, a group without counters
             return 0
 
@@ -422,7 +428,7 @@ class DiLoCo:
     def _reduce(self, f: _Fragment, delta: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Averages ``delta`` over the members whose pseudo-gradient is finite. Every
         collective of the group runs here, in fragment order, on one thread."""
-        g = self.group
+        g = self._g()
         w = g.world_size
         finite = bool(torch.isfinite(delta).all())
         flags = np.zeros((w, 1), dtype=np.int32)
@@ -466,19 +472,20 @@ class DiLoCo:
             avg, bad = fut.result()
         finally:
             self.blocked_seconds += time.monotonic() - t0
+        w = self._g().world_size
         if bad:
             self.skipped.append((self.inner_steps, bad))
             warnings.warn(
-                f"member(s) {bad} of {self.group.world_size} sent a non-finite "
+                f"member(s) {bad} of {w} sent a non-finite "
                 f"pseudo-gradient (fragment {f.index}, inner step {self.inner_steps}): their "
                 f"contribution was skipped and the outer step averaged the "
-                f"{self.group.world_size - len(bad)} others. Lower the inner learning rate "
+                f"{w - len(bad)} others. Lower the inner learning rate "
                 "or clip gradients on those members.",
                 PseudoGradientWarning,
                 stacklevel=3,
             )
         f.syncs += 1
-        if len(bad) == self.group.world_size:
+        if len(bad) == w:
             # Nobody had a finite pseudo-gradient: θ_outer stays; every member restarts from it.
             m = 1.0
         else:
