@@ -154,6 +154,7 @@ def main() -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--report", help=argparse.SUPPRESS)
     p.add_argument("--kill-at", type=int, help=argparse.SUPPRESS)  # tests: exit at this step
+    p.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(1)
     procs: list[subprocess.Popen[bytes]] = []
@@ -368,6 +369,8 @@ def train_elastic(a: argparse.Namespace, model: nn.Module, opt: torch.optim.Opti
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x).flatten(0, 1), y.flatten()).backward()
         opt.step()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
         if dl.step():
             digests.append((dl.outer_steps, dl.epoch, dl.diloco.outer_digest()))
     result = {

@@ -439,3 +439,60 @@ def test_the_example_trains_two_members_and_writes_its_json(tmp_path):
     assert np.isfinite(res["eval_loss"]) and res["bytes_sent"] > 0
     assert 0 < res["utilisation"] <= 1
     assert len(set(res["digests"])) == 1
+
+
+# -- elastic: a member lost between outer steps, a newcomer healing ---------------------------
+
+
+def test_elastic_diloco_drops_a_lost_member_and_heals_a_newcomer(tmp_path):
+    from _elastic import ElasticRun
+
+    steps, h = 400, 10
+    args = ["--steps", str(steps), "--sync-every", str(h), "--codec", "int8", "--width", "32"]
+    args += ["--layers", "1", "--batch", "8", "--context", "32", "--corpus-bytes", "200000"]
+    args += ["--step-sleep", "0.03", "--quiet"]
+
+    def spawn(run: ElasticRun, name: str, *extra: str) -> None:
+        log = open(tmp_path / f"{name}.log", "w")
+        assert run.coordinator is not None
+        run.members[name] = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "examples" / "train_diloco.py"),
+                "--join",
+                run.coordinator.addr,
+                *args,
+                "--json",
+                str(tmp_path / f"{name}.json"),
+                *extra,
+            ],
+            env=run.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        log.close()
+
+    with ElasticRun(tmp_path, steps) as run:
+        spawn(run, "m0")
+        spawn(run, "m1")
+        spawn(run, "m2", "--kill-at", "55")  # exits half-way between outer steps 5 and 6
+        e = run.wait_epoch(3)
+        e = run.wait_epoch(2, after=e)
+        spawn(run, "new")
+        run.wait_epoch(3, after=e)
+        assert run.members["m2"].wait(timeout=60) == 3
+        results = run.finish(["m0", "m1", "new"])
+    finals = {n: r["digest"] for n, r in results.items()}
+    assert len(set(finals.values())) == 1, finals
+    seen: dict[tuple[int, int], str] = {}
+    for n, r in results.items():
+        assert r["inner_steps"] == steps and r["outer_steps"] == steps // h, (n, r)
+        for outer, epoch, digest in r["digests"]:
+            assert seen.setdefault((outer, epoch), digest) == digest, (n, outer, epoch)
+    # The survivors did outer step 6 without m2: some outer step ran in a 2-member epoch.
+    sizes = {c["epoch"]: c["world_size"] for c in results["m0"]["changes"]}
+    assert 2 in sizes.values(), results["m0"]["changes"]
+    taker = [c for c in results["new"]["changes"] if c["role"] == "taker"]
+    assert taker and taker[0]["heal_bytes"] > 0 and taker[0]["step"] > 5, results["new"]["changes"]
+    assert results["new"]["digests"][0][0] == taker[0]["step"] + 1
