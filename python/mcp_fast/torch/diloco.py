@@ -213,7 +213,7 @@ class DiLoCo:
         self.blocked_seconds = 0.0
         #: Members whose contribution was skipped, per outer step: (inner step, ranks).
         self.skipped: list[tuple[int, list[int]]] = []
-        params = [p for p in model.parameters() if p.requires_grad]
+        params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameters that require gradients")
         make = outer_optimizer or (lambda ps: _nesterov(ps, outer_lr, outer_momentum))

@@ -70,7 +70,7 @@ class ElasticDiLoCo:
         # The group changes with every epoch: set before each outer step. Every member takes
         # rank 0's state in the first epoch, so no model check or broadcast is needed here;
         # the coordinator compares the specs.
-        self._dl = DiLoCo(model, optimizer, None, check_model=False, broadcast=False, **dl_kwargs)  # type: ignore[arg-type]
+        self._dl = DiLoCo(model, optimizer, None, check_model=False, broadcast=False, **dl_kwargs)
         self.job = ElasticJob(
             coordinator,
             save=self._save,
