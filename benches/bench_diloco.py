@@ -4,8 +4,8 @@ wire, wall time and compute utilisation, same machine, same run, same tokens.
     python benches/bench_diloco.py --json bench_diloco.json          # loopback, + chaos as root
 
 Each configuration is ``examples/train_diloco.py --members N`` (a small transformer LM on the
-standard library's source). On loopback: DDP over mcp_fast (float32), DiLoCo, DiLoCo with
-int8, streaming DiLoCo. As root, again inside ``mcp-chaos --rate 100mbit --loss 0.05 --hook
+standard library's source). On loopback: DDP over mcp_fast (float32), DiLoCo (with
+``--int8``, also DiLoCo with int8), streaming DiLoCo. As root, again inside ``mcp-chaos --rate 100mbit --loss 0.05 --hook
 input`` (a network namespace whose loopback is capped at 100 Mbit/s and silently drops 5 %
 of the packets): DDP over Gloo and DDP over mcp_fast with int8, each cut after
 ``--ddp-time-limit`` seconds (their time to the full token count is then extrapolated from
@@ -97,6 +97,7 @@ def main() -> int:
     p.add_argument("--ddp-time-limit", type=float, default=60.0)
     p.add_argument("--run-timeout", type=int, default=400)
     p.add_argument("--no-chaos", action="store_true", help="loopback only")
+    p.add_argument("--int8", action="store_true", help="also DiLoCo with int8 on loopback")
     p.add_argument("--only", help="comma-separated run names")
     p.add_argument("--json", help="write every run's results here")
     p.add_argument("extra", nargs="*", help="more arguments for train_diloco.py (after --)")
@@ -107,9 +108,10 @@ def main() -> int:
     plan: list[tuple[str, list[str], bool]] = [
         ("DDP mcp_fast", ["--mode", "ddp", *a.extra], False),
         (f"DiLoCo H={a.sync_every}", h, False),
-        (f"DiLoCo H={a.sync_every} int8", [*h, "--codec", "int8"], False),
         (f"streaming F={a.fragments}", stream, False),
     ]
+    if a.int8:
+        plan.insert(2, (f"DiLoCo H={a.sync_every} int8", [*h, "--codec", "int8"], False))
     can_chaos = os.geteuid() == 0 and shutil.which("tc") and shutil.which("nft")
     if not a.no_chaos and can_chaos:
         plan += [

@@ -497,12 +497,26 @@ class DiLoCo:
             f.opt.step()
             f.opt.zero_grad(set_to_none=True)
             m = self.mix if mix is None else mix
+        if self._g().rank in bad:
+            self._restart()
+            return
         with torch.no_grad():
             for p, o in zip(f.params, f.outer, strict=True):
                 if m == 1.0:
                     p.copy_(o)
                 else:
                     p.mul_(1.0 - m).add_(o.to(p.dtype), alpha=m)
+
+    def _restart(self) -> None:
+        """This member's pseudo-gradient was not finite: the whole model restarts from
+        θ_outer (every fragment: NaNs spread through the next forward pass) and the inner
+        optimizer's state (which may hold them too) is cleared."""
+        with torch.no_grad():
+            for f in self._fragments:
+                for p, o in zip(f.params, f.outer, strict=True):
+                    p.copy_(o)
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
 
 
 class LocalSGD(DiLoCo):
