@@ -5,11 +5,12 @@ wire, wall time and compute utilisation, same machine, same run, same tokens.
 
 Each configuration is ``examples/train_diloco.py --members N`` (a small transformer LM on the
 standard library's source). On loopback: DDP over mcp_fast (float32), DiLoCo (with
-``--int8``, also DiLoCo with int8), streaming DiLoCo. As root, again inside ``mcp-chaos --rate 100mbit --loss 0.05 --hook
-input`` (a network namespace whose loopback is capped at 100 Mbit/s and silently drops 5 %
-of the packets): DDP over Gloo and DDP over mcp_fast with int8, each cut after
-``--ddp-time-limit`` seconds (their time to the full token count is then extrapolated from
-the steps they did: said in the table), DiLoCo and streaming DiLoCo.
+``--int8``, also DiLoCo with int8), streaming DiLoCo. As root, again inside
+``mcp-chaos --rate 100mbit --loss 0.05 --hook input`` (a network namespace whose loopback
+is capped at 100 Mbit/s and silently drops 5 % of the packets): DDP over Gloo and DDP
+over mcp_fast with int8, each cut after ``--ddp-time-limit`` seconds (their time to the
+full token count is then extrapolated from the steps they did: said in the table), DiLoCo
+and streaming DiLoCo.
 
 Bytes are what every member's transport sent (mcp_fast's counters, QUIC headers, FEC repair
 and heartbeats included); Gloo has no counters, so its row shows the float32 ring
@@ -58,7 +59,7 @@ def run(name: str, args: list[str], a: argparse.Namespace, chaos: bool) -> dict[
     r["wall_full_s"] = r["wall_s"] * a.steps / done
     print(
         f"[{name}] loss {r['eval_loss']:.4f} wall {r['wall_s']:.1f} s "
-        f"util {r['utilisation']:.3f} bytes {r['bytes_sent'] / 1e6:.1f} MB",
+        f"util {r['utilisation']} bytes {r['bytes_sent'] / 1e6:.1f} MB",
         file=sys.stderr,
         flush=True,
     )
@@ -83,7 +84,7 @@ def table(rows: list[dict[str, Any]], ref_loss: float, ref_bytes: float) -> str:
         lines.append(
             f"| {r['link']} | {r['name']} | {r['inner_steps']} | {loss} | {rel} | "
             f"{r['bytes_sent'] / 1e6:.1f} | {fewer_s} | {r['wall_s']:.1f} | {full} | "
-            f"{r['utilisation']:.3f} |"
+            f"{'n/a' if r['utilisation'] is None else format(r['utilisation'], '.3f')} |"
         )
     return "\n".join(lines)
 

@@ -192,7 +192,8 @@ def merge(members: list[dict[str, Any]]) -> dict[str, Any]:
     out["bytes_sent"] = sum(m["bytes_sent"] for m in members)
     out["bytes_sent_per_member"] = [m["bytes_sent"] for m in members]
     out["wall_s"] = max(m["wall_s"] for m in members)
-    out["utilisation"] = sum(m["utilisation"] for m in members) / len(members)
+    util = [m["utilisation"] for m in members]
+    out["utilisation"] = None if None in util else sum(util) / len(util)
     out["utilisation_per_member"] = [m["utilisation"] for m in members]
     out["digests"] = [m["digest"] for m in members]
     return out
@@ -301,6 +302,8 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
     }
     if a.backend == "gloo" and a.mode == "ddp":
         result["bytes_sent"] = gloo_bytes(eval_model, step, world)
+        # DDP's all-reduce runs inside backward(): compute and communication are not apart.
+        result["utilisation"] = None
         import torch.distributed as dist
 
         dist.destroy_process_group()
