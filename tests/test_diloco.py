@@ -212,6 +212,27 @@ def test_the_outer_step_is_nesterov_sgd_on_the_average_pseudo_gradient():
         assert torch.equal(got[r][4], got[0][4])
 
 
+def test_sync_runs_an_outer_step_now_whatever_the_inner_step():
+    models = copies(2)
+
+    def member(r: int, g: mcp.Group, m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        dl = LocalSGD(m, opt, g, sync_every=100)
+        for s in range(3):
+            grad_step(m, r, s)
+            opt.step()
+            assert not dl.step()
+        local = flat(m.parameters())
+        dl.sync()
+        assert dl.outer_steps == 1
+        return local, flat(m.parameters())
+
+    got = ok(run_members(models, member))
+    mean = (got[0][0] + got[1][0]) / 2
+    for r in range(2):
+        torch.testing.assert_close(got[r][1], mean, rtol=0, atol=1e-6)
+
+
 # -- codecs: identical on every member, error within a stated bound ---------------------------
 
 #: max |θ_outer(codec) - θ_outer(exact)| / max |θ_outer(exact) - θ_0| after one outer step.
