@@ -306,8 +306,8 @@ class DiLoCo:
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes this member's transport sent since construction (every collective on the
-        group, the model check's included)."""
+        """Bytes this member's transport sent since construction (after the model check and
+        the broadcast): every collective on the group, heartbeats and headers included."""
         return self._bytes_now() - self._bytes_base
 
     def utilisation(self) -> float:
