@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -30,25 +29,9 @@ from torch import nn
 from tqdm import tqdm
 
 from mcp_fast.torch import ElasticDDP
+from stdlib_text import VOCAB, corpus
 
 CONTEXT = 16
-VOCAB = 128
-
-
-def corpus(max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """The standard library's source as ASCII codes: (training text, held-out text)."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in lib.glob("*.py") if p.stat().st_size > 2000)
-    train, held = [], []
-    size = 0
-    for i, p in enumerate(files):
-        data = np.frombuffer(p.read_bytes(), dtype=np.uint8)
-        data = np.where(data < VOCAB, data, ord("?")).astype(np.int64)
-        (held if i % 10 == 0 else train).append(data)
-        size += data.size
-        if size >= max_bytes:
-            break
-    return np.concatenate(train), np.concatenate(held)
 
 
 class CharModel(nn.Module):

@@ -6,20 +6,27 @@ when it is imported) registers the backend, after which::
     torch.distributed.init_process_group("mcp")      # under torchrun, or with store/rank/size
 
 runs every collective of torch.distributed, DistributedDataParallel included, over MCP.
-:class:`ElasticDDP` trains through members dying and joining (see :mod:`mcp_fast.elastic`).
+:class:`ElasticDDP` trains through members dying and joining (see :mod:`mcp_fast.elastic`);
+:class:`DiLoCo` and :class:`LocalSGD` sync every H steps (see :mod:`mcp_fast.torch.diloco`).
 """
 
 from __future__ import annotations
 
 from .backend import MCPProcessGroup, register
+from .diloco import DiLoCo, LocalSGD, PseudoGradientWarning
 from .elastic import ElasticDDP, state_spec
+from .elastic_diloco import ElasticDiLoCo
 from .hooks import CompressionState, GuardedState, compression_hook, guarded_allreduce_hook
 
 __all__ = [
     "CompressionState",
+    "DiLoCo",
     "ElasticDDP",
+    "ElasticDiLoCo",
     "GuardedState",
+    "LocalSGD",
     "MCPProcessGroup",
+    "PseudoGradientWarning",
     "compression_hook",
     "guarded_allreduce_hook",
     "register",
