@@ -186,12 +186,19 @@ async fn a_replacement_claims_the_vacant_id_on_every_server_and_the_old_one_is_f
         timeout,
         ..client(addrs.clone(), 0, SECRET)
     };
-    // Worker 0 by its id, a second process without one: it gets id 1, the one never taken.
-    let (a, b) = tokio::join!(
-        PsClient::connect(client(addrs.clone(), 0, SECRET)),
-        PsClient::connect(spare(Duration::from_secs(10)))
-    );
-    let (a, b) = (a.expect("worker 0"), b.expect("spare"));
+    // Worker 0 by its id, then a second process without one: it gets id 1, the one never
+    // taken (a spare that came first would take id 0, the lowest never registered).
+    let first = tokio::spawn(PsClient::connect(client(addrs.clone(), 0, SECRET)));
+    for _ in 0..500 {
+        if s0.clocks().iter().any(|e| e.0 == 0) && s1.clocks().iter().any(|e| e.0 == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let b = PsClient::connect(spare(Duration::from_secs(10)))
+        .await
+        .expect("spare");
+    let a = first.await.expect("task").expect("worker 0");
     assert_eq!((b.worker(), b.generation()), (1, 1));
     let (ra, rb) = tokio::join!(run(a.clone(), 0), run(b.clone(), 1));
     assert_eq!(ra, rb, "both hold the same parameters");
