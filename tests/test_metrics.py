@@ -31,6 +31,11 @@ TRANSPORT = {
     "refused_handshakes",
     "quic_sent_packets",
     "quic_lost_packets",
+    "reconnects",
+    "zero_rtt_accepted",
+    "zero_rtt_rejected",
+    "duplicate_frames",
+    "last_reconnect_us",
 }
 
 

@@ -134,6 +134,10 @@ _TRANSPORT_HELP = {
     "refused_handshakes": "Connections refused at the TLS handshake (wrong secret, version)",
     "quic_sent_packets": "QUIC packets sent on the connections open now",
     "quic_lost_packets": "QUIC packets declared lost on the connections open now",
+    "reconnects": "Connections that broke while their peer lived and were re-established",
+    "zero_rtt_accepted": "Reconnections whose 0-RTT data the peer accepted",
+    "zero_rtt_rejected": "Reconnections whose 0-RTT data the peer refused (a full handshake)",
+    "duplicate_frames": "Copies of frames already received (resent across a reconnection)",
 }
 
 
@@ -158,6 +162,13 @@ def _families(snap: dict[str, Any]) -> list[_Family]:
             (base, 1.0 if g["open"] else 0.0)
         )
         for key, value in sorted(g["transport"].items()):
+            if key == "last_reconnect_us":
+                fam(
+                    "mcp_last_reconnect_seconds",
+                    "gauge",
+                    "How long the last reconnection took (0: none yet)",
+                ).samples.append((base, value / 1e6))
+                continue
             if key == "retransmits":
                 fam(
                     "mcp_retransmits",
