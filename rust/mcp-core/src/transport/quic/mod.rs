@@ -524,11 +524,15 @@ impl QuicTransport {
             .flatten()
     }
 
+    fn slot(&self, peer: usize) -> Result<&PeerSlot> {
+        self.peers.get(peer).ok_or_else(|| {
+            Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
+        })
+    }
+
     /// The live connection to `peer`: dialled by the higher rank, awaited by the lower one.
     async fn conn(&self, peer: usize) -> Result<Connection> {
-        let slot = self.peers.get(peer).ok_or_else(|| {
-            Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
-        })?;
+        let slot = self.slot(peer)?;
         // A stalled peer is alive and connected: it still hears of the aborts it caused.
         if let Some(e) = self.mailbox.peer_error(peer) {
             if !matches!(e, Error::PeerStalled { .. }) {
@@ -573,9 +577,7 @@ impl QuicTransport {
     /// Dials `peer` again after its connection broke (see [`reconnect`]), unless a send did
     /// meanwhile; until `deadline`.
     async fn redial(&self, peer: usize, deadline: Instant) -> Result<Connection> {
-        let slot = self.peers.get(peer).ok_or_else(|| {
-            Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
-        })?;
+        let slot = self.slot(peer)?;
         let _g = slot.dial.lock().await;
         if let Some(c) = slot.conn.borrow().clone() {
             return Ok(c);
@@ -590,9 +592,7 @@ impl QuicTransport {
     /// lives (a refused 0-RTT flight is sent again on it), else the one that replaces it,
     /// waited for up to the reconnection budget. Fails when the peer is lost meanwhile.
     pub(super) async fn next_conn(&self, peer: usize, failed: &Connection) -> Result<Connection> {
-        let slot = self.peers.get(peer).ok_or_else(|| {
-            Error::InvalidArgument(format!("no rank {peer} in a world of {}", self.world))
-        })?;
+        let slot = self.slot(peer)?;
         let mut rx = slot.conn.subscribe();
         let wait = async {
             loop {
