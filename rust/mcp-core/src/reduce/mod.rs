@@ -71,17 +71,16 @@ pub fn finish_avg(dtype: DType, buf: &mut [u8], n: usize) -> Result<()> {
 }
 
 /// Views both byte slices as `T` and runs `f`, copying through aligned scratch when the bytes
-/// are not aligned for `T` (received payloads usually are; the copy is the rare slow path).
+/// are not aligned for `T`. A received payload comes in the pieces QUIC delivered, at any
+/// offset, so an unaligned source is the common case: it goes through a per-thread scratch
+/// buffer (one copy that stays in cache, no allocation). An unaligned destination is rare.
 fn typed<T: Pod>(dst: &mut [u8], src: &[u8], f: impl Fn(&mut [T], &[T])) {
     match (
         bytemuck::try_cast_slice_mut::<u8, T>(dst),
         bytemuck::try_cast_slice::<u8, T>(src),
     ) {
         (Ok(d), Ok(s)) => f(d, s),
-        (Ok(d), Err(_)) => {
-            let s = aligned_copy::<T>(src);
-            f(d, &s)
-        }
+        (Ok(d), Err(_)) => with_aligned::<T>(src, |s| f(d, s)),
         (Err(_), _) => {
             let mut d = aligned_copy::<T>(dst);
             match bytemuck::try_cast_slice::<u8, T>(src) {
@@ -102,6 +101,34 @@ fn typed_unary<T: Pod>(buf: &mut [u8], f: impl Fn(&mut [T])) {
             buf.copy_from_slice(bytemuck::cast_slice(&b));
         }
     }
+}
+
+/// Largest source the per-thread scratch keeps between calls (bigger ones allocate).
+const SCRATCH_WORDS: usize = (256 << 10) / 8;
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on `bytes` copied into 8-byte-aligned scratch, viewed as `T` (every dtype's
+/// alignment divides 8).
+fn with_aligned<T: Pod>(bytes: &[u8], f: impl FnOnce(&[T])) {
+    let words = bytes.len().div_ceil(8);
+    if words > SCRATCH_WORDS {
+        return f(&aligned_copy::<T>(bytes));
+    }
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => {
+            if scratch.len() < words {
+                scratch.resize(words, 0);
+            }
+            let raw = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut scratch)[..bytes.len()];
+            raw.copy_from_slice(bytes);
+            f(bytemuck::cast_slice::<u8, T>(raw))
+        }
+        // Re-entered (cannot happen with the kernels above, which do not nest): allocate.
+        Err(_) => f(&aligned_copy::<T>(bytes)),
+    })
 }
 
 fn aligned_copy<T: Pod>(bytes: &[u8]) -> Vec<T> {
