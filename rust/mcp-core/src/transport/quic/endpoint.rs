@@ -31,6 +31,10 @@ const LOOPBACK_MTU: u16 = 65_000;
 /// below the 16 KiB that quinn's padded Initial packets may take.
 const LOOPBACK_MIN_MTU: u16 = 16_000;
 
+/// Ack-eliciting packets a peer may receive before it must ACK (QUIC's default is 1: an ACK
+/// for every second packet).
+const ACK_ELICITING_THRESHOLD: u32 = 7;
+
 /// A bound UDP socket and what the kernel granted it.
 pub(crate) struct BoundSocket {
     socket: UdpSocket,
@@ -53,6 +57,11 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<T
     // Each stream-lane frame holds a bidirectional stream until its verdict, each FEC-lane
     // transfer until the receiver has it all: as many in flight as unidirectional ones.
     t.max_concurrent_bidi_streams(VarInt::from_u32(16_384));
+    // Streams in the order they were opened, not round-robin: a collective consumes its
+    // chunks in order, so the first chunk done first starts its reduction and forwarding
+    // while the rest arrive; round-robin would finish every chunk at once, at the end.
+    // Control frames and verdicts go ahead of data by priority (see `CONTROL_PRIORITY`).
+    t.send_fairness(false);
     t.datagram_receive_buffer_size(Some(DATAGRAM_RECV_BUFFER));
     t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
     let window = sock.window();
@@ -78,8 +87,12 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<T
     ));
     // Collectives send a burst and then wait for the answer: a delayed ACK (25 ms by
     // default) stalls every burst that ends on an odd packet, so ask peers to ACK promptly.
+    // And ACK every few packets, not every second one: on a 1,500-byte path a bulk transfer
+    // is ~90,000 packets per second each way, and every ACK is a packet to build, send,
+    // receive and process on both sides.
     let mut ack = quinn::AckFrequencyConfig::default();
     ack.max_ack_delay(Some(Duration::from_millis(1)));
+    ack.ack_eliciting_threshold(VarInt::from_u32(ACK_ELICITING_THRESHOLD));
     t.ack_frequency_config(Some(ack));
     if sock.loopback {
         let mut mtu = quinn::MtuDiscoveryConfig::default();

@@ -59,6 +59,10 @@ const STALL_FACTOR: u32 = 10;
 /// Largest payload a frame may announce; anything larger is a protocol error.
 pub const MAX_FRAME_PAYLOAD: u64 = 1 << 30;
 
+/// QUIC send priority of control frames and verdicts; data streams keep the default 0 and
+/// are sent in the order they were opened (`send_fairness(false)`).
+pub(crate) const CONTROL_PRIORITY: i32 = 1;
+
 /// How to set up the QUIC transport of one process.
 #[derive(Debug, Clone)]
 pub struct QuicConfig {
@@ -825,6 +829,8 @@ impl QuicTransport {
         );
         header.encode(&mut buf).map_err(WriteFail::Core)?;
         let mut stream = conn.open_uni().await.map_err(WriteFail::Conn)?;
+        // Heartbeats, progress reports and aborts must not wait behind megabytes of data.
+        let _ = stream.set_priority(CONTROL_PRIORITY);
         if payload.len() <= 16384 {
             buf.extend_from_slice(payload);
             stream.write_all(&buf).await.map_err(WriteFail::Write)?;

@@ -252,6 +252,8 @@ pub(super) async fn read_frame(
 }
 
 async fn answer(send: &mut SendStream, verdict: u8) {
+    // Ahead of this side's own data: the sender holds the frame until the verdict.
+    let _ = send.set_priority(super::CONTROL_PRIORITY);
     let _ = send.write_all(&[verdict]).await;
     let _ = send.finish();
 }

@@ -46,8 +46,18 @@ pub fn alpn_for(major: u8, minor: u8) -> Vec<u8> {
     format!("mcp/{major}.{minor}").into_bytes()
 }
 
+/// ring's provider with AES-128-GCM preferred: every packet is sealed and opened, and at
+/// ten rounds instead of fourteen AES-128 costs less per byte than AES-256 (ring's default
+/// first choice) while remaining QUIC's mandatory suite.
 fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    use rustls::crypto::ring::cipher_suite;
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites = vec![
+        cipher_suite::TLS13_AES_128_GCM_SHA256,
+        cipher_suite::TLS13_AES_256_GCM_SHA384,
+        cipher_suite::TLS13_CHACHA20_POLY1305_SHA256,
+    ];
+    Arc::new(p)
 }
 
 fn tls_err(e: impl std::fmt::Display) -> Error {
