@@ -1,6 +1,6 @@
 """Hierarchical vs flat ring all-reduce (mcp_fast) vs Gloo, two veth "hosts" x 2 ranks.
 
-    sudo python benches/bench_hierarchical.py [--mib 64] [--repeats 5]
+    sudo python benches/bench_hierarchical.py [--mib 64] [--repeats 5] [--rate 1gbit]
 
 Two network namespaces joined by a veth pair (MTU 1500) are the two hosts; each runs two
 ranks, rank 0-1 on host 0 and 2-3 on host 1, every rank with its host's MCP_HOST_ID. In the
@@ -8,7 +8,8 @@ same processes and the same run, one all-reduce of a float32 tensor each way, in
 Gloo, mcp_fast hierarchical, mcp_fast ring. Reports the time per all-reduce (median and
 best over the repeats, on rank 0) and the bytes each host's veth end transmitted per
 all-reduce (``/sys/class/net/<veth>/statistics/tx_bytes``, headers included), as a multiple
-of the tensor: the hierarchical all-reduce's payload is 2(H-1)/H = 1.0 of it.
+of the tensor: the hierarchical all-reduce's payload is 2(H-1)/H = 1.0 of it. ``--rate``
+caps each veth end with tbf (the link, not the CPUs, then bounds the time).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=64, help="tensor size in MiB (float32)")
     p.add_argument("--repeats", type=int, default=5, help="timed all-reduces per backend")
+    p.add_argument("--rate", default="", help="tbf rate cap on each veth end, e.g. 1gbit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--addr", default="", help=argparse.SUPPRESS)
@@ -100,6 +102,19 @@ def main() -> None:
     if not _netns.available():
         sys.exit("needs root and iproute2 (network namespaces)")
     with _netns.VethPair("hb") as net:
+        if args.rate:
+            for ns in net.ns:
+                dev = subprocess.run(
+                    ["ip", "netns", "exec", ns, "ls", "/sys/class/net"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=30,
+                ).stdout.split()
+                dev.remove("lo")
+                tbf = ["tc", "qdisc", "add", "dev", dev[0], "root", "tbf", "rate", args.rate]
+                tbf += ["burst", "256kb", "latency", "50ms"]
+                subprocess.run(["ip", "netns", "exec", ns, *tbf], check=True, timeout=30)
         procs = []
         for rank in range(4):
             cmd = [sys.executable, __file__, "--worker", "--rank", str(rank)]
@@ -113,7 +128,8 @@ def main() -> None:
                 sys.exit(f"a rank failed ({pr.returncode})")
             outs.append(json.loads(out.strip().splitlines()[-1]))
     nbytes = args.mib << 20
-    print(f"all-reduce float32 {args.mib} MiB, 2 veth hosts x 2 ranks, {args.repeats} repeats")
+    cap = f", veth capped at {args.rate}" if args.rate else ""
+    print(f"all-reduce float32 {args.mib} MiB, 2 veth hosts x 2 ranks{cap}, {args.repeats} repeats")
     print(f"{'':18} {'median ms':>10} {'best ms':>8} {'tx/host':>8}  vs Gloo (median)")
     gloo = statistics.median(outs[0]["times"]["gloo"])
     for name in ORDER:

@@ -52,6 +52,32 @@ def every_collective(rank: int, world: int, hosts: list[str], sizes: list[int]) 
     return out
 
 
-def bad_host(rank: int, world: int) -> None:
+def bad_host(rank: int, world: int) -> list[str]:
+    """An empty host name, and topologies that do not cover the group: each a ValueError."""
+    refused = []
     with mcp.init(timeout=20) as g:
-        g.set_host("")
+        for bad in ([], ["a"], ["a", "b", "c"]):
+            try:
+                g.core.set_topology(bad)
+            except ValueError as e:
+                refused.append(str(e))
+        try:
+            g.set_host("")
+        except ValueError as e:
+            refused.append(str(e))
+        refused.append(str(g.topology))
+    return refused
+
+
+def under_chaos(rank: int, world: int, hosts: list[str], spec: str) -> dict[str, Any]:
+    """Hierarchical collectives through a lossy, reordering socket: exact results."""
+    out: dict[str, Any] = {}
+    with mcp.init(timeout=120, chaos=spec, host_id=hosts[rank]) as g:
+        a = data("float32", "sum", rank, 300_001)
+        g.all_reduce(a, algorithm="hierarchical")
+        out["all_reduce"] = a
+        b = data("int64", "sum", 1, 50_000) if rank == 1 else np.zeros(50_000, "int64")
+        g.broadcast(b, src=1)
+        out["broadcast"] = b
+        out["stats"] = g.chaos_stats()
+    return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _launch import Failure, ok, run
+from _launch import ok, run
 from test_collectives import reduce_ref
 from workers import DTYPES, OPS, data
 
@@ -59,7 +59,23 @@ def test_every_collective_over_fake_hosts(hosts: list[str], topology: list[int])
     assert 0 < err <= world * world / 127
 
 
-def test_an_empty_host_name_is_refused() -> None:
-    for r in run("hier_workers.bad_host", 2, timeout=60):
-        assert isinstance(r, Failure) and r.type == "ValueError", r
-        assert "non-empty name" in r.message
+def test_bad_topologies_and_host_names_are_refused() -> None:
+    for empty, short, long, name, topology in ok(run("hier_workers.bad_host", 2, timeout=60)):
+        assert "at least one rank" in empty
+        assert "covers 1 ranks but the group has 2" in short
+        assert "covers 3 ranks but the group has 2" in long
+        assert "non-empty name" in name
+        assert topology == "[0, 0]"  # left as it was
+
+
+def test_hierarchical_collectives_are_exact_through_a_lossy_socket() -> None:
+    hosts = ["a", "a", "b", "b"]
+    world = len(hosts)
+    results = ok(
+        run("hier_workers.under_chaos", world, hosts, "loss=0.1,reorder=0.05,seed=5", timeout=240)
+    )
+    want = sum(data("float32", "sum", r, 300_001) for r in range(world))
+    for out in results:
+        np.testing.assert_array_equal(out["all_reduce"], want)
+        np.testing.assert_array_equal(out["broadcast"], data("int64", "sum", 1, 50_000))
+        assert out["stats"]["send_dropped"] + out["stats"]["recv_dropped"] > 0, out["stats"]
