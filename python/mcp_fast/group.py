@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import json
 import os
 import weakref
@@ -17,7 +18,7 @@ from .errors import GroupClosedError
 from .settings import Settings, env_int
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
-_ALGORITHMS = {"auto", "ring", "tree", "recursive_doubling", "rd"}
+_ALGORITHMS = {"auto", "ring", "tree", "recursive_doubling", "rd", "hierarchical"}
 
 
 def _op_name(op: Any) -> str:
@@ -209,6 +210,28 @@ class Group:
         """The fault injector's counters (empty without ``chaos=``)."""
         return self.core.chaos_stats()
 
+    @property
+    def topology(self) -> list[int]:
+        """The host index of every rank (hosts numbered by first appearance); one host for
+        all until :meth:`set_host` is called."""
+        return self.core.topology
+
+    def set_host(self, host_id: str) -> None:
+        """Say which host this rank is on (``init`` does it from ``MCP_HOST_ID``); collective:
+        every rank calls it, before or after any operation, with its own host's name. Ranks
+        with equal names share a host. Every rank learns the others' through one all-gather
+        of a 64-bit hash of the names; then broadcasts, all-gathers, reduce-scatters and
+        large all-reduces run hierarchically (inside hosts, then between them) when there is
+        more than one host and more than one rank on some host."""
+        import numpy as np
+
+        if not host_id:
+            raise ValueError("host_id must be a non-empty name of this rank's host")
+        mine = np.frombuffer(hashlib.sha256(host_id.encode()).digest()[:8], np.uint64).copy()
+        hashes = np.zeros((self.world_size, 1), np.uint64)
+        self.all_gather(hashes, mine)
+        self.core.set_topology([f"{int(h):016x}" for h in hashes[:, 0]])
+
     def rtt(self, peer: int) -> float | None:
         """Smoothed round-trip time to ``peer`` in seconds, once connected."""
         return self.core.rtt(peer)
@@ -224,7 +247,9 @@ class Group:
         block: int = 256,
     ) -> Work | None:
         """Reduce ``tensor`` across ranks, in place. ``algorithm``: auto, ring, tree,
-        recursive_doubling (auto picks recursive doubling up to 64 KiB, ring above).
+        recursive_doubling, hierarchical (auto picks recursive doubling up to 64 KiB; above,
+        hierarchical when :attr:`topology` has more than one host and more than one rank on
+        some host, else ring).
 
         ``codec`` compresses what travels: ``"fp16"``/``"bf16"`` (round to nearest even),
         ``"int8"`` (blockwise scale, ``block`` elements per scale), ``"lossless"``
@@ -235,7 +260,8 @@ class Group:
         ends with the same bits."""
         if algorithm not in _ALGORITHMS:
             raise ValueError(
-                f"unknown algorithm {algorithm!r}; use auto, ring, tree or recursive_doubling"
+                f"unknown algorithm {algorithm!r}; "
+                "use auto, ring, tree, recursive_doubling or hierarchical"
             )
         b = view(tensor, name="all_reduce tensor", writable=True)
         codec = self._resolve_codec(codec, b)
@@ -554,6 +580,7 @@ def init(
     stall_timeout: float | None = None,
     allow_generated_secret: bool | None = None,
     zero_rtt: bool | None = None,
+    host_id: str | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -583,6 +610,9 @@ def init(
     middlebox's reset) is re-established within 3 heartbeats (at least 2 s), resuming its TLS
     session with 0-RTT data (``zero_rtt``, default ``MCP_ZERO_RTT`` or on); the operations in
     flight resume from what was acknowledged.
+    ``host_id`` (default ``MCP_HOST_ID``) names this rank's host: set on every rank (or on
+    none), it makes the group learn which ranks share a host (:meth:`Group.set_host`), and
+    the collectives go hierarchical on a multi-host job.
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else env_int("RANK")
@@ -618,4 +648,12 @@ def init(
         protocol_major=_protocol_major,
         **settings.core_kwargs(),
     )
-    return Group(core)
+    group = Group(core)
+    host_id = host_id if host_id is not None else os.environ.get("MCP_HOST_ID")
+    if host_id:
+        try:
+            group.set_host(host_id)
+        except BaseException:
+            group.close()
+            raise
+    return group

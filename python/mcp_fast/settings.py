@@ -17,6 +17,8 @@ and the parameter server all take their settings from here, so that ``MCP_CHAOS`
   move before it is reported stalled (60).
 - ``MCP_ZERO_RTT`` / ``zero_rtt``: a connection that broke is re-established resuming its
   TLS session, its first frames as 0-RTT data (1); 0 makes a full handshake first.
+- ``MCP_HOST_ID`` / ``host_id`` (read by ``mcp.init`` and the torch backend): this rank's
+  host name; ranks with equal names share a host and the collectives go hierarchical.
 
 Values are checked once, by the core, which names the setting that is wrong.
 """

@@ -9,11 +9,12 @@ use crate::buffer::RawBuf;
 use crate::collectives::{self, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::topology::Topology;
 use crate::transport::{encode_abort, Lane, MsgKey, Transport};
 use crate::wire::{Codec, FrameKind, Header, ModelSpec, MAX_DIMS, PROTOCOL_MINOR};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 /// Tunables of a group.
@@ -48,18 +49,23 @@ pub enum Algorithm {
     Tree,
     /// Recursive doubling: latency-optimal.
     RecursiveDoubling,
+    /// Reduce-scatter inside each host, all-reduce of each shard between hosts, all-gather
+    /// inside each host (see [`Group::set_topology`]).
+    Hierarchical,
 }
 
 impl Algorithm {
-    /// Parses `"auto"`, `"ring"`, `"tree"` or `"recursive_doubling"` (`"rd"`).
+    /// Parses `"auto"`, `"ring"`, `"tree"`, `"recursive_doubling"` (`"rd"`) or
+    /// `"hierarchical"`.
     pub fn from_name(name: &str) -> Result<Algorithm> {
         match name {
             "auto" => Ok(Algorithm::Auto),
             "ring" => Ok(Algorithm::Ring),
             "tree" => Ok(Algorithm::Tree),
             "recursive_doubling" | "rd" => Ok(Algorithm::RecursiveDoubling),
+            "hierarchical" => Ok(Algorithm::Hierarchical),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown algorithm {name:?}; use auto, ring, tree or recursive_doubling"
+                "unknown algorithm {name:?}; use auto, ring, tree, recursive_doubling or hierarchical"
             ))),
         }
     }
@@ -124,6 +130,7 @@ impl Tensor<'_> {
 struct Inner<T: Transport> {
     t: Arc<T>,
     cfg: GroupConfig,
+    topology: RwLock<Arc<Topology>>,
     seq: AtomicU64,
     send_seq: Vec<AtomicU64>,
     recv_seq: Vec<AtomicU64>,
@@ -153,6 +160,7 @@ impl<T: Transport> Group<T> {
         let w = t.world_size();
         Group {
             inner: Arc::new(Inner {
+                topology: RwLock::new(Arc::new(Topology::single_host(w))),
                 t,
                 cfg,
                 seq: AtomicU64::new(1),
@@ -182,6 +190,36 @@ impl<T: Transport> Group<T> {
     /// The group's configuration.
     pub fn config(&self) -> &GroupConfig {
         &self.inner.cfg
+    }
+
+    /// Tells the group which ranks share a host (every rank must give the same topology
+    /// before its next collective). With more than one host and more than one rank on some
+    /// host, all-reduces above `small_bytes` under [`Algorithm::Auto`], broadcasts,
+    /// all-gathers and reduce-scatters run hierarchically. A topology that does not cover
+    /// exactly this group's ranks is refused.
+    pub fn set_topology(&self, topo: Topology) -> Result<()> {
+        topo.check_world(self.world_size())?;
+        *self
+            .inner
+            .topology
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Arc::new(topo);
+        Ok(())
+    }
+
+    /// Which ranks share a host, as last set (one host for all, until told otherwise).
+    pub fn topology(&self) -> Arc<Topology> {
+        self.inner
+            .topology
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The topology, when the hierarchical algorithms apply to it.
+    fn hierarchy(&self) -> Option<Arc<Topology>> {
+        let topo = self.topology();
+        topo.is_hierarchical().then_some(topo)
     }
 
     fn open(&self) -> Result<()> {
@@ -307,10 +345,12 @@ impl<T: Transport> Group<T> {
                 "all_reduce needs a reduce op".into(),
             ));
         }
+        let topo = self.topology();
         let algorithm = match algorithm {
             Algorithm::Auto if t.buf.len() <= self.inner.cfg.small_bytes => {
                 Algorithm::RecursiveDoubling
             }
+            Algorithm::Auto if topo.is_hierarchical() => Algorithm::Hierarchical,
             Algorithm::Auto => Algorithm::Ring,
             a => a,
         };
@@ -329,6 +369,9 @@ impl<T: Transport> Group<T> {
                     Algorithm::RecursiveDoubling => {
                         collectives::allreduce_recursive_doubling(&ctx, buf, dtype, op).await
                     }
+                    Algorithm::Hierarchical => {
+                        collectives::allreduce_hierarchical(&ctx, &topo, buf, dtype, op).await
+                    }
                     _ => collectives::allreduce_ring(&ctx, buf, dtype, op).await,
                 }
             },
@@ -341,6 +384,7 @@ impl<T: Transport> Group<T> {
         t.check("broadcast")?;
         self.check_rank(src, "broadcast source")?;
         let (buf, elem) = (t.buf, t.dtype.size());
+        let hier = self.hierarchy();
         let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
         Ok(self.launch(
             FrameKind::Broadcast,
@@ -349,7 +393,13 @@ impl<T: Transport> Group<T> {
             src as u32,
             self.all_peers(),
             move |inner, o| async move {
-                collectives::broadcast_binomial(&o.ctx(&*inner.t), buf, elem, src).await
+                let ctx = o.ctx(&*inner.t);
+                match hier {
+                    Some(topo) => {
+                        collectives::broadcast_hierarchical(&ctx, &topo, buf, elem, src).await
+                    }
+                    None => collectives::broadcast_binomial(&ctx, buf, elem, src).await,
+                }
             },
         ))
     }
@@ -370,15 +420,22 @@ impl<T: Transport> Group<T> {
             )));
         }
         let (o_buf, i_buf, elem) = (out.buf, input.buf, input.dtype.size());
+        let hier = self.hierarchy();
         let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
         Ok(self.launch(
             FrameKind::AllGather,
             seq,
             input.spec(ReduceOp::None),
-            0,
+            u32::from(hier.is_some()),
             self.all_peers(),
             move |inner, o| async move {
-                collectives::allgather_ring(&o.ctx(&*inner.t), o_buf, i_buf, elem).await
+                let ctx = o.ctx(&*inner.t);
+                match hier {
+                    Some(topo) => {
+                        collectives::allgather_hierarchical(&ctx, &topo, o_buf, i_buf, elem).await
+                    }
+                    None => collectives::allgather_ring(&ctx, o_buf, i_buf, elem).await,
+                }
             },
         ))
     }
@@ -410,15 +467,25 @@ impl<T: Transport> Group<T> {
             )));
         }
         let (o_buf, i_buf, dtype) = (out.buf, input.buf, input.dtype);
+        let hier = self.hierarchy();
         let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
         Ok(self.launch(
             FrameKind::ReduceScatter,
             seq,
             out.spec(op),
-            0,
+            u32::from(hier.is_some()),
             self.all_peers(),
             move |inner, o| async move {
-                collectives::reduce_scatter_ring(&o.ctx(&*inner.t), o_buf, i_buf, dtype, op).await
+                let ctx = o.ctx(&*inner.t);
+                match hier {
+                    Some(topo) => {
+                        collectives::reduce_scatter_hierarchical(
+                            &ctx, &topo, o_buf, i_buf, dtype, op,
+                        )
+                        .await
+                    }
+                    None => collectives::reduce_scatter_ring(&ctx, o_buf, i_buf, dtype, op).await,
+                }
             },
         ))
     }
@@ -612,6 +679,7 @@ impl OpCtxOwned {
             deadline: self.deadline,
             timeout: self.timeout,
             chunk_bytes: self.chunk_bytes,
+            sub: None,
         }
     }
 }

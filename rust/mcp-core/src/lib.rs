@@ -21,6 +21,7 @@ pub mod health;
 pub mod membership;
 pub mod ps;
 pub mod reduce;
+pub mod topology;
 pub mod transport;
 pub mod wire;
 
@@ -28,3 +29,4 @@ pub use buffer::RawBuf;
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};
 pub use group::{Algorithm, Group, GroupConfig, OpFuture, Tensor};
+pub use topology::Topology;

@@ -8,7 +8,9 @@ use crate::runtime::runtime;
 use crate::work::{Work, WorkState};
 use mcp_core::transport::quic::{LanePolicy, QuicConfig, QuicTransport};
 use mcp_core::wire::Codec;
-use mcp_core::{Algorithm, DType, Error, Group, GroupConfig, OpFuture, RawBuf, ReduceOp, Tensor};
+use mcp_core::{
+    Algorithm, DType, Error, Group, GroupConfig, OpFuture, RawBuf, ReduceOp, Tensor, Topology,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -300,6 +302,20 @@ impl ProcessGroup {
             .local_addr()
             .map(|a| a.to_string())
             .map_err(|e| to_py(py, e))
+    }
+
+    /// Tells the group which ranks share a host: `host_ids[r]` names rank r's host (ranks
+    /// with equal names share one). Every rank must give the same list before its next
+    /// collective.
+    fn set_topology(&self, py: Python<'_>, host_ids: Vec<String>) -> PyResult<()> {
+        let topo = Topology::from_host_ids(&host_ids).map_err(|e| to_py(py, e))?;
+        self.group.set_topology(topo).map_err(|e| to_py(py, e))
+    }
+
+    /// The host index of every rank (hosts numbered by first appearance).
+    #[getter]
+    fn topology(&self) -> Vec<usize> {
+        self.group.topology().host_of_rank().to_vec()
     }
 
     /// Transport counters: frames and bytes sent and received, corrupt frames, frames resent

@@ -6,22 +6,31 @@
 //! chunks (aligned to elements) that are forwarded as soon as each one is ready, so sending,
 //! receiving and reducing overlap.
 
+mod allgather_hierarchical;
 mod allgather_ring;
+mod allreduce_hierarchical;
 mod allreduce_recursive_doubling;
 mod allreduce_ring;
 mod allreduce_tree;
 mod barrier;
 mod broadcast;
+mod broadcast_hierarchical;
 mod p2p;
+mod reduce_scatter_hierarchical;
 mod reduce_scatter_ring;
+mod ring_parts;
 
+pub use allgather_hierarchical::allgather_hierarchical;
 pub use allgather_ring::allgather_ring;
+pub use allreduce_hierarchical::allreduce_hierarchical;
 pub use allreduce_recursive_doubling::allreduce_recursive_doubling;
 pub use allreduce_ring::allreduce_ring;
 pub use allreduce_tree::allreduce_tree;
 pub use barrier::barrier_dissemination;
 pub use broadcast::broadcast_binomial;
+pub use broadcast_hierarchical::broadcast_hierarchical;
 pub use p2p::{recv, send};
+pub use reduce_scatter_hierarchical::reduce_scatter_hierarchical;
 pub use reduce_scatter_ring::reduce_scatter_ring;
 
 use crate::codec;
@@ -50,17 +59,86 @@ pub struct OpCtx<'a, T: Transport> {
     pub timeout: std::time::Duration,
     /// Largest payload of one frame.
     pub chunk_bytes: usize,
+    /// The sub-group this context runs among (`None`: every rank of the transport).
+    pub sub: Option<SubGroup<'a>>,
 }
 
-impl<T: Transport> OpCtx<'_, T> {
-    /// This rank.
+/// A part of one operation that runs among some of the ranks: the hierarchical collectives
+/// run an intra-host and an inter-host part over the same transport, under one sequence
+/// number, each with steps of its own.
+#[derive(Debug, Clone, Copy)]
+pub struct SubGroup<'a> {
+    /// The member ranks, in ring order.
+    pub ranks: &'a [usize],
+    /// This rank's position in `ranks`.
+    pub me: usize,
+    /// Added to every step number, so that the parts' frames never share a key.
+    pub step_base: u32,
+    /// Payloads travel as raw elements even when the operation names a codec (codecs apply
+    /// to the inter-host parts only).
+    pub raw: bool,
+}
+
+/// Steps of one part of a hierarchical operation: part `p` numbers its steps from `p` times
+/// this (a ring of `W` ranks uses `2(W-1)` steps).
+pub const PART_STEPS: u32 = 1 << 24;
+
+impl<'a, T: Transport> OpCtx<'a, T> {
+    /// This rank (its position in the sub-group, if this context is one).
     pub fn rank(&self) -> usize {
-        self.t.rank()
+        self.sub.map_or_else(|| self.t.rank(), |s| s.me)
     }
 
-    /// The world size.
+    /// The world size (of the sub-group, if this context is one).
     pub fn world(&self) -> usize {
-        self.t.world_size()
+        self.sub
+            .map_or_else(|| self.t.world_size(), |s| s.ranks.len())
+    }
+
+    /// The same operation among `ranks` (which must hold this rank), with steps from part
+    /// `part` on, raw (no codec) if `raw`.
+    pub fn part<'b>(&self, ranks: &'b [usize], part: u32, raw: bool) -> Result<OpCtx<'b, T>>
+    where
+        'a: 'b,
+    {
+        let me = self.t.rank();
+        let Some(at) = ranks.iter().position(|&r| r == me) else {
+            return Err(Error::InvalidArgument(format!(
+                "rank {me} is not a member of the sub-group {ranks:?}"
+            )));
+        };
+        Ok(OpCtx {
+            t: self.t,
+            kind: self.kind,
+            seq: self.seq,
+            spec: self.spec.clone(),
+            aux: self.aux,
+            deadline: self.deadline,
+            timeout: self.timeout,
+            chunk_bytes: self.chunk_bytes,
+            sub: Some(SubGroup {
+                ranks,
+                me: at,
+                step_base: part * PART_STEPS,
+                raw,
+            }),
+        })
+    }
+
+    /// The transport rank of member `peer`, and the wire step of `step`.
+    fn address(&self, peer: usize, step: u32) -> (usize, u32) {
+        match self.sub {
+            None => (peer, step),
+            Some(s) => (s.ranks[peer], s.step_base + step),
+        }
+    }
+
+    /// The codec payloads travel with in this context.
+    pub fn codec(&self) -> Codec {
+        match self.sub {
+            Some(s) if s.raw => Codec::None,
+            _ => self.spec.codec,
+        }
     }
 
     fn lane(&self) -> Lane {
@@ -76,6 +154,7 @@ impl<T: Transport> OpCtx<'_, T> {
         chunk_count: usize,
         payload: &[u8],
     ) -> Result<()> {
+        let (peer, step) = self.address(peer, step);
         let header = Header {
             kind: self.kind,
             minor: PROTOCOL_MINOR,
@@ -83,7 +162,7 @@ impl<T: Transport> OpCtx<'_, T> {
             step,
             chunk: chunk as u32,
             chunk_count: chunk_count as u32,
-            src: self.rank() as u32,
+            src: self.t.rank() as u32,
             aux: self.aux,
             spec: self.spec.clone(),
             payload_len: payload.len() as u64,
@@ -105,6 +184,7 @@ impl<T: Transport> OpCtx<'_, T> {
         chunk: usize,
         expect_len: usize,
     ) -> Result<Payload> {
+        let (peer, step) = self.address(peer, step);
         let key = MsgKey {
             src: peer,
             lane: self.lane(),
@@ -126,7 +206,7 @@ impl<T: Transport> OpCtx<'_, T> {
         };
         self.check(&frame.header)?;
         // Encoded payloads vary in length; their decoder checks them instead.
-        if self.spec.codec == Codec::None && frame.payload.len() != expect_len {
+        if !self.coded() && frame.payload.len() != expect_len {
             return Err(Error::Protocol(format!(
                 "{} (seq {}): rank {peer} sent {} bytes for step {step} chunk {chunk}, expected {expect_len}",
                 self.kind.op_name(),
@@ -139,17 +219,17 @@ impl<T: Transport> OpCtx<'_, T> {
 
     /// True when payloads travel encoded.
     pub fn coded(&self) -> bool {
-        self.spec.codec != Codec::None
+        self.codec() != Codec::None
     }
 
     /// The wire form of raw elements: encoded with the operation's codec.
     pub fn encode(&self, raw: &[u8]) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(codec::max_encoded_len(
-            self.spec.codec,
+            self.codec(),
             self.spec.dtype,
             raw.len() / self.spec.dtype.size(),
         ));
-        codec::encode(self.spec.codec, self.spec.dtype, raw, &mut out)?;
+        codec::encode(self.codec(), self.spec.dtype, raw, &mut out)?;
         Ok(out)
     }
 
@@ -175,7 +255,7 @@ impl<T: Transport> OpCtx<'_, T> {
     pub fn settle(&self, buf: &mut [u8]) -> Result<Vec<u8>> {
         let enc = self.encode(buf)?;
         if self.coded() {
-            codec::decode(self.spec.codec, self.spec.dtype, &enc, buf)?;
+            codec::decode(self.codec(), self.spec.dtype, &enc, buf)?;
         }
         Ok(enc)
     }
@@ -183,7 +263,7 @@ impl<T: Transport> OpCtx<'_, T> {
     /// Stores a received payload into `dst` (decoding it).
     pub fn store(&self, p: &Payload, dst: &mut [u8]) -> Result<()> {
         if self.coded() {
-            codec::decode(self.spec.codec, self.spec.dtype, &p.to_vec(), dst)
+            codec::decode(self.codec(), self.spec.dtype, &p.to_vec(), dst)
         } else {
             p.copy_to(dst)
         }
@@ -192,7 +272,7 @@ impl<T: Transport> OpCtx<'_, T> {
     /// `dst = op(dst, payload)` (decoding the payload; accumulating in `dst`'s precision).
     pub fn accumulate(&self, p: &Payload, op: ReduceOp, dst: &mut [u8]) -> Result<()> {
         if self.coded() {
-            codec::decode_reduce(self.spec.codec, self.spec.dtype, op, &p.to_vec(), dst)
+            codec::decode_reduce(self.codec(), self.spec.dtype, op, &p.to_vec(), dst)
         } else {
             p.reduce_into(self.spec.dtype, op, dst)
         }
@@ -226,7 +306,7 @@ impl<T: Transport> OpCtx<'_, T> {
             self.seq,
             h.src,
             describe(h.kind, &h.spec, h.aux),
-            self.rank(),
+            self.t.rank(),
             describe(self.kind, &self.spec, self.aux)
         )))
     }
@@ -237,7 +317,7 @@ impl<T: Transport> OpCtx<'_, T> {
                 "{} #{} on rank {}: {doing} rank {peer} (step {step}, chunk {chunk}); is that rank alive and calling the same operation?",
                 self.kind.op_name(),
                 self.seq,
-                self.rank()
+                self.t.rank()
             ),
             after: self.timeout,
         }
@@ -265,6 +345,14 @@ pub fn segments(n: usize, parts: usize, elem: usize) -> Vec<Range<usize>> {
         at += len;
     }
     out
+}
+
+/// Splits the byte range `range` (whole elements of `elem` bytes) like [`segments`].
+pub fn segments_of(range: Range<usize>, parts: usize, elem: usize) -> Vec<Range<usize>> {
+    segments(range.len() / elem, parts, elem)
+        .into_iter()
+        .map(|s| s.start + range.start..s.end + range.start)
+        .collect()
 }
 
 /// Cuts a byte range into chunks of at most `chunk_bytes` (rounded down to whole elements,

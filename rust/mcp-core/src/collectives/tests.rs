@@ -16,6 +16,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod hierarchical;
+
 fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(vals.len() * dtype.size());
     for &v in vals {

@@ -8,7 +8,7 @@
 
 use super::{Frame, Mailbox, MsgKey, Payload, Transport, DEFAULT_RESEND_LIMIT};
 use crate::error::{Error, Result};
-use crate::wire::Header;
+use crate::wire::{FrameKind, Header};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,6 +30,8 @@ struct Net {
     mailboxes: Vec<Arc<Mailbox>>,
     chaos: Option<(MemChaos, Mutex<StdRng>)>,
     retransmits: AtomicU64,
+    /// Payload bytes of operation frames sent, `[src * world + dst]` (first sends only).
+    sent: Vec<AtomicU64>,
 }
 
 /// One rank's end of an in-memory network.
@@ -46,6 +48,7 @@ pub fn network(world: usize, chaos: Option<MemChaos>) -> Vec<Arc<MemTransport>> 
         mailboxes: mailboxes.clone(),
         chaos: chaos.map(|c| (c, Mutex::new(StdRng::seed_from_u64(c.seed)))),
         retransmits: AtomicU64::new(0),
+        sent: (0..world * world).map(|_| AtomicU64::new(0)).collect(),
     });
     mailboxes
         .into_iter()
@@ -104,6 +107,16 @@ impl MemTransport {
         self.net.retransmits.load(Ordering::Relaxed)
     }
 
+    /// Payload bytes of operation frames (not aborts, not resends) this rank has sent to
+    /// `peer`: what the algorithms put on the wire, to check their traffic exactly.
+    pub fn payload_bytes_to(&self, peer: usize) -> u64 {
+        let w = self.world_size();
+        self.net
+            .sent
+            .get(self.rank * w + peer)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
     /// Simulates this rank dying: every peer's waits on it fail as a lost peer would.
     pub fn kill(&self) {
         for (r, mb) in self.net.mailboxes.iter().enumerate() {
@@ -148,6 +161,10 @@ impl Transport for MemTransport {
                 self.world_size()
             ))
         })?;
+        if header.kind != FrameKind::Abort {
+            self.net.sent[self.rank * self.world_size() + peer]
+                .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        }
         let payload = payload.to_vec();
         let Some((chaos, rng)) = &self.net.chaos else {
             deliver(&self.net, to, header.clone(), payload, &[None]);
