@@ -59,7 +59,12 @@ def test_lane_is_checked() -> None:
     g = mcp.init(rank=0, world_size=1, master_port=free_port(), lane="stream")
     try:
         assert g.lane == "stream"
-        assert g.lane_stats() == {"frames_sent": 0, "frames_received": 0, "repair_shards": 0}
+        assert g.lane_stats() == {
+            "frames_sent": 0,
+            "frames_received": 0,
+            "repair_shards": 0,
+            "fallbacks": 0,
+        }
     finally:
         g.close()
 

@@ -186,7 +186,8 @@ class Group:
 
     def lane_stats(self) -> dict[str, int]:
         """The FEC lane's counters: ``frames_sent``, ``frames_received`` over it and
-        ``repair_shards`` resent because a receiver asked."""
+        ``repair_shards`` resent because a receiver asked, and ``fallbacks``: transfers whose
+        repairs could not finish them, carried on a stream instead."""
         return self.core.lane_stats()
 
     def chaos_kill(self) -> None:

@@ -253,6 +253,35 @@ async fn fec_lane_is_exact_through_loss_and_corruption() {
     }
 }
 
+/// A transfer whose repairs cannot finish it is withdrawn and its frame carried on a stream:
+/// with no repair round allowed, every FEC-lane frame through 20 % loss that a first pass
+/// did not complete goes that way, and the all-reduce is still exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fec_transfers_the_repairs_cannot_finish_fall_back_to_a_stream() {
+    use mcp_core::transport::quic::{chaos::ChaosConfig, LanePolicy};
+    use std::sync::atomic::Ordering::Relaxed;
+    let ts = mesh_with(2, |c| {
+        c.bulk.policy = LanePolicy::Fec;
+        c.bulk.repair_rounds = 0;
+        c.chaos = Some(ChaosConfig::parse("loss=0.2,seed=5").expect("spec"));
+    })
+    .await;
+    all_reduce_over(ts.clone(), 300_001).await;
+    let fallbacks: u64 = ts
+        .iter()
+        .map(|t| t.stats().bulk_fallbacks.load(Relaxed))
+        .sum();
+    let sent: u64 = ts
+        .iter()
+        .map(|t| t.stats().bulk_frames_sent.load(Relaxed))
+        .sum();
+    assert!(sent >= 4, "FEC frames sent: {sent}");
+    assert_eq!(
+        fallbacks, sent,
+        "with no repair round, every transfer falls back"
+    );
+}
+
 /// The stream lane through a socket that loses 20 % of the datagrams, with 5 % of the frames
 /// damaged above QUIC (where QUIC's AEAD cannot see it): every damaged frame fails its
 /// checksum, is sent again, and the all-reduce is exact.

@@ -355,8 +355,8 @@ impl ProcessGroup {
         .collect()
     }
 
-    /// The bulk (FEC) lane's counters: its policy, frames sent and received over it, shards
-    /// resent on request.
+    /// The bulk (FEC) lane's counters: frames sent and received over it, shards resent on
+    /// request, and transfers its repairs could not finish (carried on a stream instead).
     fn lane_stats(&self) -> std::collections::HashMap<&'static str, u64> {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.group.transport().stats();
@@ -364,6 +364,7 @@ impl ProcessGroup {
             ("frames_sent", s.bulk_frames_sent.load(Relaxed)),
             ("frames_received", s.bulk_frames_received.load(Relaxed)),
             ("repair_shards", s.repair_shards.load(Relaxed)),
+            ("fallbacks", s.bulk_fallbacks.load(Relaxed)),
         ]
         .into_iter()
         .collect()

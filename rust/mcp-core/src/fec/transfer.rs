@@ -156,6 +156,11 @@ pub struct TransferSender {
 }
 
 impl TransferSender {
+    /// The payload being sent (to carry it another way when the repairs cannot).
+    pub fn payload(&self) -> &Bytes {
+        &self.payload
+    }
+
     /// A sender of `payload` (exactly `plan.total_len` bytes) with `m` parity shards per block
     /// until [`set_parity`](Self::set_parity) changes it.
     pub fn new(plan: TransferPlan, payload: Bytes, m: u16) -> Result<TransferSender> {

@@ -43,7 +43,7 @@ pub const BULK_MAGIC: [u8; 4] = *b"MCPB";
 
 /// Most parity shards per block.
 const MAX_PARITY: usize = 256;
-/// Repair rounds before the sender gives up on a transfer.
+/// Repair rounds before the sender withdraws a transfer (default of `repair_rounds`).
 const MAX_ROUNDS: u32 = 64;
 /// Datagrams of not yet announced transfers kept per connection.
 const STASH_BYTES: usize = 32 << 20;
@@ -118,6 +118,8 @@ pub struct BulkConfig {
     pub max_shard: usize,
     /// Target probability that a block cannot be rebuilt without a repair.
     pub target: f64,
+    /// Repair rounds before the sender withdraws a transfer and sends the frame on a stream.
+    pub repair_rounds: u32,
 }
 
 impl Default for BulkConfig {
@@ -131,6 +133,7 @@ impl Default for BulkConfig {
             // Fits the loopback MTU floor (see endpoint.rs) with QUIC's and our headers.
             max_shard: 15 << 10,
             target: 5e-3,
+            repair_rounds: MAX_ROUNDS,
         }
     }
 }
@@ -339,8 +342,9 @@ impl QuicTransport {
         self.unacked_streams.fetch_add(1, Ordering::AcqRel);
         let me = self.me.clone();
         let conn = conn.clone();
+        let header = header.clone();
         tokio::spawn(async move {
-            serve_repairs(&me, peer, &conn, tx, send, recv).await;
+            serve_repairs(&me, peer, &conn, tx, &header, send, recv).await;
             if let Some(t) = me.upgrade() {
                 t.unacked_streams.fetch_sub(1, Ordering::AcqRel);
             }
@@ -416,21 +420,25 @@ async fn read_msg(recv: &mut RecvStream) -> Msg {
 }
 
 /// The sender's side after the first pass: END, then NACKs answered with repairs, until
-/// DONE, the end of the stream, or the round limit.
+/// DONE or the end of the stream. When the repairs cannot finish the transfer (the round
+/// limit, a repair shard that no longer fits a datagram after the path's MTU fell, no answer
+/// within the idle timeout) the transfer is withdrawn and the frame goes on the stream lane
+/// instead, on the same connection: a lossy path slows the frame down, it never fails it.
 async fn serve_repairs(
     me: &Weak<QuicTransport>,
     peer: usize,
     conn: &Connection,
     mut tx: TransferSender,
+    header: &Header,
     mut send: SendStream,
     mut recv: RecvStream,
 ) {
-    let idle = me
+    let (idle, rounds) = me
         .upgrade()
-        .map(|t| t.cfg.idle_timeout)
-        .unwrap_or(Duration::from_secs(30));
+        .map(|t| (t.cfg.idle_timeout, t.cfg.bulk.repair_rounds))
+        .unwrap_or((Duration::from_secs(30), MAX_ROUNDS));
     let ok = async {
-        for round in 0..MAX_ROUNDS {
+        for round in 0..rounds {
             {
                 let t = me.upgrade()?;
                 drained(&t, peer, conn).await;
@@ -471,7 +479,20 @@ async fn serve_repairs(
             let _ = send.finish();
         }
         None => {
-            let _ = send.reset(quinn::VarInt::from_u32(FAILED));
+            let Some(t) = me.upgrade() else { return };
+            // Also while this process closes: shutdown waits for frames still unacknowledged,
+            // and the peer may still need this one.
+            if conn.close_reason().is_some() {
+                let _ = send.reset(quinn::VarInt::from_u32(FAILED));
+                return;
+            }
+            // The receiver drops the transfer on CANCELLED and waits for the frame on a
+            // stream; one it rebuilt meanwhile is filed already and drops the copy.
+            let _ = send.reset(quinn::VarInt::from_u32(CANCELLED));
+            t.stats.bulk_fallbacks.fetch_add(1, Ordering::Relaxed);
+            // A frame that neither lane can carry means the connection broke meanwhile: the
+            // receiver's operation fails with it, naming this peer.
+            let _ = t.write_checked(peer, conn, header, tx.payload()).await;
         }
     }
 }

@@ -168,6 +168,8 @@ pub struct QuicStats {
     pub bytes_received: AtomicU64,
     /// Frames sent over the FEC lane (datagrams), included in `frames_sent`.
     pub bulk_frames_sent: AtomicU64,
+    /// FEC-lane transfers whose repairs could not finish them, carried on a stream instead.
+    pub bulk_fallbacks: AtomicU64,
     /// Frames received over the FEC lane, included in `frames_received`.
     pub bulk_frames_received: AtomicU64,
     /// Shards sent again because a receiver asked (NACK).
