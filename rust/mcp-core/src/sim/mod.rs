@@ -17,9 +17,11 @@
 //! sender's card is shared between hosts), and the FEC datagram lane (loss is paid as a
 //! stream pays it). `docs/simulator.md` says why and what that means for the figures.
 
+mod allreduce;
 mod link;
 mod net;
 
+pub use allreduce::{time_all_reduce, AllReduceTiming, PIPELINE_CHUNKS};
 pub use link::LinkSpec;
 pub use net::SimTransport;
 
@@ -182,6 +184,8 @@ pub struct SimReport {
     pub frames: u64,
     /// Wire bytes each rank sent (scaled).
     pub wire_bytes: Vec<f64>,
+    /// Wire bytes that crossed from one host to another, all ranks together.
+    pub inter_host_bytes: f64,
     /// Every frame, in the order sent (when [`SimConfig::trace`] is set).
     pub trace: Vec<TraceEvent>,
 }

@@ -107,6 +107,7 @@ struct State {
     cut: HashSet<(usize, usize)>,
     frames: u64,
     wire_bytes: Vec<f64>,
+    inter_host_bytes: f64,
     finished: Vec<Option<u64>>,
     trace: Vec<TraceEvent>,
 }
@@ -151,6 +152,7 @@ impl SimNet {
             cut: HashSet::new(),
             frames: 0,
             wire_bytes: vec![0.0; w],
+            inter_host_bytes: 0.0,
             finished: vec![None; w],
             trace: Vec::new(),
         };
@@ -226,6 +228,9 @@ impl SimNet {
         let arrive = end.saturating_add(ns(spec.latency)).saturating_add(extra);
         st.frames += 1;
         st.wire_bytes[src] += bytes;
+        if sh != dh {
+            st.inter_host_bytes += bytes;
+        }
         if self.cfg.trace {
             st.trace.push(TraceEvent {
                 sent_ns: now,
@@ -356,6 +361,7 @@ impl SimNet {
                 .collect(),
             frames: st.frames,
             wire_bytes: std::mem::take(&mut st.wire_bytes),
+            inter_host_bytes: st.inter_host_bytes,
             trace: std::mem::take(&mut st.trace),
         }
     }

@@ -265,3 +265,60 @@ fn bad_configurations_are_refused_before_anything_runs() {
     bad.topology.inter = bad.topology.inter.with_loss(1.0);
     assert!(matches!(run(bad), Err(Error::InvalidArgument(_))));
 }
+
+#[test]
+fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
+    // 8 ranks, one per host, 1 GB/s, 1 ms RTT: a ring moves 2(W-1)/W of the buffer per rank
+    // in 2(W-1) steps. Each segment travels in two chunks, so a chunk is forwarded while the
+    // next is on the wire: the link never idles and latency is paid once, not per step.
+    let link = LinkSpec::new(Duration::from_millis(1), 1e9);
+    let cfg = SimConfig::new(8, Topology::flat(link));
+    let bytes = 64e6;
+    let t = time_all_reduce(
+        &cfg,
+        Algorithm::Ring,
+        bytes,
+        Codec::None,
+        Duration::from_secs(600),
+    )
+    .expect("timed");
+    assert_eq!(t.ok_ranks, 8);
+    assert!(t.exact && t.first_error.is_none());
+    let formula = 14.0 * (bytes / 8.0 / 1e9) + link.latency.as_secs_f64();
+    let got = t.elapsed.as_secs_f64();
+    // Headers and rounding only: within 0.1 %.
+    assert!((got - formula).abs() < formula * 1e-3, "{got} vs {formula}");
+    assert!((t.mean_rank_bytes - bytes * 14.0 / 8.0).abs() < bytes * 1e-3);
+
+    // fp16 halves the bytes; every rank still ends with the same bits.
+    let half = time_all_reduce(
+        &cfg,
+        Algorithm::Ring,
+        bytes,
+        Codec::Fp16,
+        Duration::from_secs(600),
+    )
+    .expect("timed");
+    assert!(half.exact && half.ok_ranks == 8);
+    let ratio = half.mean_rank_bytes / t.mean_rank_bytes;
+    assert!((ratio - 0.5).abs() < 0.01, "ratio {ratio}");
+
+    // int8 on whole blocks: a quarter of the bytes plus one scale per block.
+    let int8 = Codec::Int8 { block: 256 };
+    let q = time_all_reduce(&cfg, Algorithm::Ring, bytes, int8, Duration::from_secs(600))
+        .expect("timed");
+    assert!(q.exact && q.ok_ranks == 8);
+    let ratio = q.mean_rank_bytes / t.mean_rank_bytes;
+    assert!(ratio > 0.25 && ratio < 0.27, "int8 ratio {ratio}");
+
+    assert!(matches!(
+        time_all_reduce(
+            &cfg,
+            Algorithm::Ring,
+            2.0,
+            Codec::None,
+            Duration::from_secs(1)
+        ),
+        Err(Error::InvalidArgument(_))
+    ));
+}
