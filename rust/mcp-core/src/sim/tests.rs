@@ -322,3 +322,139 @@ fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+/// Three epochs of training on 1,000 members, 5 % of them dying at seeded virtual times:
+/// each epoch's all-reduce runs in the simulator over the epoch's members, the deaths fail
+/// every survivor's operation with `PeerLost`, and the membership coordinator's state
+/// machine, fed the survivors' heartbeats and reports on the same virtual clock, forms the
+/// next epoch, which every survivor is handed identically; the last epoch's all-reduce is
+/// exact.
+#[test]
+fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
+    use crate::membership::coordinator::{Coordinator, CoordinatorConfig, Readiness};
+    use crate::membership::{MemberId, NO_STATE};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use std::time::Instant;
+
+    let coord_cfg = CoordinatorConfig {
+        min_members: 1,
+        dead_after: Duration::from_millis(300),
+        join_window: Duration::from_millis(200),
+        change_limit: Duration::from_secs(60),
+        rebuild_window: Duration::from_millis(100),
+    };
+    let beat = Duration::from_millis(100);
+    let t0 = Instant::now();
+    let mut c = Coordinator::new(coord_cfg, 1);
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut members: Vec<MemberId> = (1000..2000).collect();
+    for &id in &members {
+        c.register(t0, id, "w:f32[8]", None).expect("registers");
+        c.report(t0, id, 0, NO_STATE);
+    }
+    let mut now = Duration::from_millis(250);
+    for &id in &members {
+        c.heartbeat(t0 + now, id, NO_STATE);
+    }
+    c.handle_timeout(t0 + now);
+    let mut epoch = match c.readiness(members[0], 0) {
+        Readiness::Formed(e) => e,
+        other => panic!("no first epoch: {other:?}"),
+    };
+    let deaths_per_epoch = [17usize, 17, 16, 0];
+    for (e, &deaths) in deaths_per_epoch.iter().enumerate() {
+        assert_eq!(
+            epoch.members.iter().map(|m| m.id).collect::<Vec<_>>(),
+            members
+        );
+        let w = members.len();
+        let mut dying: Vec<usize> = Vec::new();
+        while dying.len() < deaths {
+            let r = rng.random_range(0..w);
+            if !dying.contains(&r) {
+                dying.push(r);
+            }
+        }
+        let mut cfg = datacentre(w);
+        cfg.scale = 1e6;
+        cfg.seed = e as u64;
+        cfg.detect_after = coord_cfg.dead_after;
+        cfg.faults = dying
+            .iter()
+            .map(|&rank| Fault::Rank {
+                rank,
+                at: Duration::from_micros(rng.random_range(0..1000)),
+            })
+            .collect();
+        let (out, report) = all_reduce(&cfg, Algorithm::Tree, 64);
+        let want = expected(w, 64);
+        for (r, (res, v)) in out.iter().enumerate() {
+            match res {
+                Err(Error::Closed(_)) if dying.contains(&r) => {}
+                Err(Error::PeerLost { rank, .. }) if !dying.contains(&r) => {
+                    assert!(dying.contains(rank), "epoch {e} rank {r} blames {rank}")
+                }
+                Ok(()) if deaths == 0 => assert_eq!(v, &want, "epoch {e} rank {r}"),
+                other => panic!("epoch {e} rank {r}: {other:?}"),
+            }
+        }
+        if deaths == 0 {
+            break;
+        }
+        // The coordinator's view on the same clock: everyone heartbeats until it dies (a
+        // death is within the first millisecond, so the dead miss every beat); survivors
+        // report once their operation has failed.
+        let end = now + report.elapsed + coord_cfg.dead_after * 3;
+        let mut reported = false;
+        let mut t = now;
+        while t <= end {
+            for (r, &id) in members.iter().enumerate() {
+                if !dying.contains(&r) {
+                    let b = c.heartbeat(t0 + t, id, e as i64);
+                    if t >= now + report.finished[r] && !reported {
+                        assert!(b.member, "epoch {e}: member {id} dropped");
+                    }
+                }
+            }
+            if !reported && t >= now + report.elapsed {
+                for (r, &id) in members.iter().enumerate() {
+                    if !dying.contains(&r) {
+                        c.report(t0 + t, id, epoch.number, e as i64);
+                    }
+                }
+                reported = true;
+            }
+            c.handle_timeout(t0 + t);
+            t += beat;
+        }
+        now = t;
+        let survivors: Vec<MemberId> = members
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| !dying.contains(r))
+            .map(|(_, &id)| id)
+            .collect();
+        let seen = epoch.number;
+        let next = match c.readiness(survivors[0], seen) {
+            Readiness::Formed(n) => n,
+            other => panic!("epoch {e}: no next epoch: {other:?}"),
+        };
+        for &id in &survivors {
+            assert_eq!(
+                c.readiness(id, seen),
+                Readiness::Formed(next.clone()),
+                "member {id}"
+            );
+        }
+        for (r, &id) in members.iter().enumerate() {
+            if dying.contains(&r) {
+                assert_ne!(c.readiness(id, seen), Readiness::Formed(next.clone()));
+            }
+        }
+        assert_eq!(next.number, seen + 1);
+        members = survivors;
+        epoch = next;
+    }
+    assert_eq!(members.len(), 950);
+}
