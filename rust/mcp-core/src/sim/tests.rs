@@ -20,12 +20,11 @@ fn value(rank: usize, i: usize) -> f32 {
     ((i * 31 + rank * 17) % 9) as f32 - 4.0
 }
 
+/// One rank's outcome and final buffer.
+type RankResult = (crate::Result<()>, Vec<f32>);
+
 /// Every rank's result of one all-reduce of `n` small integers (exact in any order).
-fn all_reduce(
-    cfg: &SimConfig,
-    algorithm: Algorithm,
-    n: usize,
-) -> (Vec<(crate::Result<()>, Vec<f32>)>, SimReport) {
+fn all_reduce(cfg: &SimConfig, algorithm: Algorithm, n: usize) -> (Vec<RankResult>, SimReport) {
     let (out, report) = simulate(cfg, |t| async move {
         let r = t.rank();
         let g = Group::new(t, group_cfg());
