@@ -11,6 +11,25 @@ __version__: str
 
 def reduce_into(dst_ptr: int, src_ptr: int, nbytes: int, dtype: str, op: str) -> None: ...
 def codec_round_trip(ptr: int, nbytes: int, dtype: str, codec: str, block: int = 256) -> None: ...
+def sim_all_reduce(
+    world: int,
+    algorithm: str,
+    nbytes: float,
+    *,
+    ranks_per_host: int = 1,
+    codec: str = "none",
+    block: int = 256,
+    intra_gbps: float = 2400.0,
+    intra_rtt_s: float = 4e-6,
+    inter_gbps: float = 100.0,
+    inter_rtt_s: float = 20e-6,
+    loss: float = 0.0,
+    seed: int = 0,
+    detect_s: float = 5.0,
+    fail_rank: int | None = None,
+    fail_at_s: float = 0.0,
+    timeout_s: float = 86400.0,
+) -> dict[str, Any]: ...
 
 @final
 class Work:

@@ -21,6 +21,7 @@ pub mod health;
 pub mod membership;
 pub mod ps;
 pub mod reduce;
+pub mod sim;
 pub mod topology;
 pub mod transport;
 pub mod wire;

@@ -8,6 +8,7 @@ mod group;
 mod health;
 mod ps;
 mod runtime;
+mod sim;
 mod work;
 
 use pyo3::prelude::*;
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<work::Work>()?;
     m.add_function(wrap_pyfunction!(group::reduce_into, m)?)?;
     m.add_function(wrap_pyfunction!(group::codec_round_trip, m)?)?;
+    m.add_function(wrap_pyfunction!(sim::sim_all_reduce, m)?)?;
     delta::register(m)?;
     elastic::register(m)?;
     health::register(m)?;

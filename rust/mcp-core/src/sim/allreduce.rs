@@ -1,0 +1,133 @@
+//! Timing one all-reduce of any size: the real algorithm on a small real buffer whose
+//! frames stand for the full-size ones.
+//!
+//! Every rank holds `n` real `f32` elements (small integers, whose sum is exact in any order)
+//! and the network's `scale` makes them weigh `bytes` on the wire; with a codec the real
+//! encoded frames are scaled, so each codec's measured byte ratio is what the timing uses.
+//! Large buffers are pipelined in [`PIPELINE_CHUNKS`] chunks per segment at most, a coarser
+//! grain than a real run's 1 MiB chunks (documented in `docs/simulator.md`).
+
+use super::{simulate, SimConfig};
+use crate::buffer::RawBuf;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::group::{Algorithm, Group, GroupConfig, Tensor};
+use crate::transport::Transport;
+use crate::wire::Codec;
+use std::time::Duration;
+
+/// Chunks a whole-buffer step (tree, recursive doubling) is cut into for pipelining.
+pub const PIPELINE_CHUNKS: usize = 16;
+
+/// What one simulated all-reduce took and moved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AllReduceTiming {
+    /// Virtual time until the last rank finished (successfully or not).
+    pub elapsed: Duration,
+    /// Wire bytes the busiest rank sent (scaled, headers included).
+    pub max_rank_bytes: f64,
+    /// Wire bytes a rank sent on average.
+    pub mean_rank_bytes: f64,
+    /// Wire bytes a host's card sent on average (to other hosts).
+    pub host_card_bytes: f64,
+    /// Frames on the network.
+    pub frames: u64,
+    /// Ranks whose operation succeeded.
+    pub ok_ranks: usize,
+    /// The first error a rank saw, if any did.
+    pub first_error: Option<Error>,
+    /// Without a codec: whether every successful rank holds the exact sum. With one: whether
+    /// every successful rank holds the same bits.
+    pub exact: bool,
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    ((i * 7 + rank * 13) % 5) as f32 - 2.0
+}
+
+/// Times an all-reduce of `bytes` per rank (as `f32` gradients) with `algorithm` and
+/// `codec` on `cfg`'s network (its `scale` is set here).
+pub fn time_all_reduce(
+    cfg: &SimConfig,
+    algorithm: Algorithm,
+    bytes: f64,
+    codec: Codec,
+    timeout: Duration,
+) -> Result<AllReduceTiming> {
+    if !(bytes.is_finite() && bytes >= 4.0) {
+        return Err(Error::InvalidArgument(format!(
+            "an all-reduce needs at least one 4-byte element, got {bytes} bytes"
+        )));
+    }
+    codec.check(DType::F32)?;
+    let w = cfg.world;
+    // At least one element per ring segment, and a whole int8 block: on shorter frames the
+    // block's scale would weigh more than it does on full-size ones.
+    let min_segment = match codec {
+        Codec::Int8 { block } => block as usize,
+        _ => 1,
+    };
+    let n = ((bytes / 4.0).floor() as usize).clamp(1, (w * min_segment).max(256));
+    let mut cfg = cfg.clone();
+    cfg.scale = (bytes / (4.0 * n as f64)).max(1.0);
+    let group_cfg = GroupConfig {
+        timeout,
+        chunk_bytes: (n.div_ceil(PIPELINE_CHUNKS) * 4).max(4),
+        small_bytes: 0,
+    };
+    let (out, report) = simulate(&cfg, move |t| {
+        let group_cfg = group_cfg.clone();
+        async move {
+            let r = t.rank();
+            let g = Group::new(t, group_cfg);
+            let mut v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+            let shape = [n as u64];
+            let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+            // SAFETY: `v` outlives the operation, which is awaited before `v` is read.
+            let buf = unsafe { RawBuf::from_slice(raw) };
+            let tensor = Tensor {
+                buf,
+                dtype: DType::F32,
+                shape: &shape,
+                codec,
+            };
+            let res = match g.all_reduce(tensor, ReduceOp::Sum, algorithm) {
+                Ok(op) => op.await,
+                Err(e) => Err(e),
+            };
+            (res, v)
+        }
+    })?;
+    let want: Vec<f32> = (0..n).map(|i| (0..w).map(|r| value(r, i)).sum()).collect();
+    let mut ok_ranks = 0;
+    let mut first_error = None;
+    let mut exact = true;
+    let mut first_ok: Option<&Vec<f32>> = None;
+    for (res, v) in &out {
+        match res {
+            Ok(()) => {
+                ok_ranks += 1;
+                let reference = if codec == Codec::None {
+                    &want
+                } else {
+                    first_ok.get_or_insert(v)
+                };
+                exact &= v == reference;
+            }
+            Err(e) => {
+                first_error.get_or_insert_with(|| e.clone());
+            }
+        }
+    }
+    let total: f64 = report.wire_bytes.iter().sum();
+    Ok(AllReduceTiming {
+        elapsed: report.elapsed,
+        max_rank_bytes: report.wire_bytes.iter().copied().fold(0.0, f64::max),
+        mean_rank_bytes: total / w as f64,
+        host_card_bytes: report.inter_host_bytes / w.div_ceil(cfg.topology.ranks_per_host) as f64,
+        frames: report.frames,
+        ok_ranks,
+        first_error,
+        exact,
+    })
+}

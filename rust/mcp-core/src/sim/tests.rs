@@ -1,0 +1,459 @@
+//! The simulator runs the real collectives: a thousand ranks bit-exact, seeded replay,
+//! failures in virtual time, and the link model's timings checked against its formula.
+
+use super::*;
+use crate::buffer::RawBuf;
+use crate::dtype::{DType, ReduceOp};
+use crate::group::{Algorithm, Group, GroupConfig, Tensor};
+use crate::transport::Transport;
+use crate::wire::{Codec, HEADER_FIXED};
+
+fn group_cfg() -> GroupConfig {
+    GroupConfig {
+        timeout: Duration::from_secs(60),
+        chunk_bytes: 1 << 20,
+        small_bytes: 0,
+    }
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    ((i * 31 + rank * 17) % 9) as f32 - 4.0
+}
+
+/// One rank's outcome and final buffer.
+type RankResult = (crate::Result<()>, Vec<f32>);
+
+/// Every rank's result of one all-reduce of `n` small integers (exact in any order).
+fn all_reduce(cfg: &SimConfig, algorithm: Algorithm, n: usize) -> (Vec<RankResult>, SimReport) {
+    let (out, report) = simulate(cfg, |t| async move {
+        let r = t.rank();
+        let g = Group::new(t, group_cfg());
+        let mut v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        let shape = [n as u64];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+        // SAFETY: `v` outlives the operation, which is awaited before `v` is read.
+        let buf = unsafe { RawBuf::from_slice(bytes) };
+        let tensor = Tensor {
+            buf,
+            dtype: DType::F32,
+            shape: &shape,
+            codec: Codec::None,
+        };
+        let res = match g.all_reduce(tensor, ReduceOp::Sum, algorithm) {
+            Ok(op) => op.await,
+            Err(e) => Err(e),
+        };
+        (res, v)
+    })
+    .expect("simulation runs");
+    (out, report)
+}
+
+fn expected(world: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (0..world).map(|r| value(r, i)).sum())
+        .collect()
+}
+
+fn datacentre(world: usize) -> SimConfig {
+    let topo = Topology {
+        ranks_per_host: 8,
+        intra: LinkSpec::new(Duration::from_micros(4), 100e9),
+        inter: LinkSpec::new(Duration::from_micros(20), 12.5e9),
+    };
+    SimConfig::new(world, topo)
+}
+
+#[test]
+fn a_thousand_ranks_all_reduce_bit_exact_with_every_algorithm() {
+    let (w, n) = (1000, 1000);
+    let want = expected(w, n);
+    for algorithm in [
+        Algorithm::Ring,
+        Algorithm::Tree,
+        Algorithm::RecursiveDoubling,
+    ] {
+        let mut cfg = datacentre(w);
+        cfg.scale = 1e5; // 4 KB stands for 400 MB per rank
+        let (out, report) = all_reduce(&cfg, algorithm, n);
+        for (r, (res, v)) in out.iter().enumerate() {
+            assert_eq!(res, &Ok(()), "{algorithm:?} rank {r}");
+            assert_eq!(v, &want, "{algorithm:?} rank {r}");
+        }
+        assert!(report.frames > 0 && report.elapsed > Duration::ZERO);
+    }
+}
+
+#[test]
+fn one_seed_replays_a_lossy_run_exactly_and_another_seed_does_not() {
+    let run = |seed| {
+        let mut cfg = datacentre(64);
+        cfg.topology.inter = cfg
+            .topology
+            .inter
+            .with_loss(0.05)
+            .with_jitter(Duration::from_micros(30));
+        cfg.seed = seed;
+        cfg.scale = 1e4;
+        cfg.trace = true;
+        let (out, report) = all_reduce(&cfg, Algorithm::Ring, 256);
+        let want = expected(64, 256);
+        for (res, v) in &out {
+            assert_eq!(res, &Ok(()));
+            assert_eq!(v, &want);
+        }
+        report
+    };
+    let (a, b, c) = (run(11), run(11), run(12));
+    assert!(!a.trace.is_empty());
+    assert_eq!(a, b, "the same seed must give the same trace and timings");
+    assert_ne!(a.trace, c.trace, "another seed must draw other losses");
+}
+
+#[test]
+fn a_rank_failing_mid_operation_fails_every_survivor_with_peer_lost_naming_it() {
+    let w = 1000;
+    let dead = 500;
+    let mut cfg = datacentre(w);
+    cfg.scale = 1e6; // 4 KB stands for 4 GB: the operation takes seconds of virtual time
+    cfg.detect_after = Duration::from_secs(2);
+    // Before it has sent anything: no survivor can finish without it.
+    let at = Duration::from_millis(1);
+    cfg.faults = vec![Fault::Rank { rank: dead, at }];
+    let (out, report) = all_reduce(&cfg, Algorithm::Tree, 1000);
+    for (r, (res, _)) in out.iter().enumerate() {
+        if r == dead {
+            assert!(matches!(res, Err(Error::Closed(_))), "rank {r}: {res:?}");
+            continue;
+        }
+        match res {
+            Err(Error::PeerLost { rank, .. }) => assert_eq!(*rank, dead, "rank {r}"),
+            other => panic!("rank {r}: expected PeerLost naming {dead}, got {other:?}"),
+        }
+    }
+    // Bounded by detection, far inside the 60 s operation deadline.
+    let bound = at + cfg.detect_after + Duration::from_secs(1);
+    assert!(report.elapsed < bound, "took {:?}", report.elapsed);
+}
+
+#[test]
+fn a_cut_link_fails_both_ends_and_a_silent_rank_times_out_in_virtual_time() {
+    let mut cfg = SimConfig::new(
+        2,
+        Topology::flat(LinkSpec::new(Duration::from_millis(1), 1e9)),
+    );
+    cfg.scale = 1e6;
+    cfg.detect_after = Duration::from_millis(500);
+    cfg.faults = vec![Fault::Link {
+        a: 0,
+        b: 1,
+        at: Duration::from_millis(10),
+    }];
+    let (out, _) = all_reduce(&cfg, Algorithm::Ring, 1000);
+    for (r, (res, _)) in out.iter().enumerate() {
+        match res {
+            Err(Error::PeerLost { rank, .. }) => assert_eq!(*rank, 1 - r),
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+
+    // Rank 1 never calls: rank 0 waits out its 60 s deadline, in virtual time only.
+    let cfg = SimConfig::new(
+        2,
+        Topology::flat(LinkSpec::new(Duration::from_millis(1), 1e9)),
+    );
+    let (out, report) = simulate(&cfg, |t| async move {
+        if t.rank() == 1 {
+            return Ok(());
+        }
+        let g = Group::new(t, group_cfg());
+        match g.barrier() {
+            Ok(op) => op.await,
+            Err(e) => Err(e),
+        }
+    })
+    .expect("simulation runs");
+    assert!(matches!(out[0], Err(Error::Timeout { .. })), "{:?}", out[0]);
+    assert!(report.finished[0] >= Duration::from_secs(60));
+    assert!(report.finished[0] < Duration::from_secs(61));
+}
+
+#[test]
+fn a_frame_arrives_when_the_link_model_says_and_a_shared_card_serialises_frames() {
+    // Two hosts of two ranks; ranks 0 and 1 each send one frame to the other host at once.
+    let inter = LinkSpec::new(Duration::from_millis(2), 1e9);
+    let topo = Topology {
+        ranks_per_host: 2,
+        intra: LinkSpec::new(Duration::from_micros(2), 1e11),
+        inter,
+    };
+    let mut cfg = SimConfig::new(4, topo);
+    cfg.scale = 1000.0;
+    cfg.trace = true;
+    let n = 1000usize; // 4,000 bytes, timed as 4 MB
+    let (out, report) = simulate(&cfg, |t| async move {
+        let r = t.rank();
+        let g = Group::new(t, group_cfg());
+        let mut v = vec![r as f32; n];
+        let shape = [n as u64];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+        // SAFETY: `v` outlives the awaited operation.
+        let buf = unsafe { RawBuf::from_slice(bytes) };
+        let tensor = Tensor {
+            buf,
+            dtype: DType::F32,
+            shape: &shape,
+            codec: Codec::None,
+        };
+        let op = if r < 2 {
+            g.send(tensor, r + 2, 0)
+        } else {
+            g.recv(tensor, r - 2, 0)
+        };
+        let res = match op {
+            Ok(op) => op.await,
+            Err(e) => Err(e),
+        };
+        (res, v)
+    })
+    .expect("simulation runs");
+    for (r, (res, v)) in out.iter().enumerate() {
+        assert_eq!(res, &Ok(()));
+        assert_eq!(v, &vec![(r % 2) as f32; n], "rank {r}");
+    }
+    let bytes = (HEADER_FIXED + 8) as f64 + 4000.0 * 1000.0;
+    let tx = inter.serialise_ns(bytes);
+    let lat = inter.latency.as_nanos() as u64;
+    let mut arrivals: Vec<u64> = report.trace.iter().map(|e| e.arrive_ns).collect();
+    arrivals.sort_unstable();
+    assert_eq!(arrivals, vec![tx + lat, 2 * tx + lat]);
+    assert_eq!(report.finished[2].as_nanos() as u64, tx + lat);
+    assert_eq!(report.finished[3].as_nanos() as u64, 2 * tx + lat);
+    assert_eq!(report.wire_bytes[0], bytes);
+}
+
+#[test]
+fn bad_configurations_are_refused_before_anything_runs() {
+    let ok = SimConfig::new(
+        4,
+        Topology::flat(LinkSpec::new(Duration::from_millis(1), 1e9)),
+    );
+    let run = |cfg: SimConfig| simulate(&cfg, |_| async {}).map(|_| ());
+    assert!(run(ok.clone()).is_ok());
+    assert!(matches!(
+        run(SimConfig {
+            world: 0,
+            ..ok.clone()
+        }),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        run(SimConfig {
+            scale: 0.5,
+            ..ok.clone()
+        }),
+        Err(Error::InvalidArgument(_))
+    ));
+    let mut bad = ok.clone();
+    bad.faults = vec![Fault::Rank {
+        rank: 4,
+        at: Duration::ZERO,
+    }];
+    assert!(matches!(run(bad), Err(Error::InvalidArgument(_))));
+    let mut bad = ok;
+    bad.topology.inter = bad.topology.inter.with_loss(1.0);
+    assert!(matches!(run(bad), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
+    // 8 ranks, one per host, 1 GB/s, 1 ms RTT: a ring moves 2(W-1)/W of the buffer per rank
+    // in 2(W-1) steps. Each segment travels in two chunks, so a chunk is forwarded while the
+    // next is on the wire: the link never idles and latency is paid once, not per step.
+    let link = LinkSpec::new(Duration::from_millis(1), 1e9);
+    let cfg = SimConfig::new(8, Topology::flat(link));
+    let bytes = 64e6;
+    let t = time_all_reduce(
+        &cfg,
+        Algorithm::Ring,
+        bytes,
+        Codec::None,
+        Duration::from_secs(600),
+    )
+    .expect("timed");
+    assert_eq!(t.ok_ranks, 8);
+    assert!(t.exact && t.first_error.is_none());
+    let formula = 14.0 * (bytes / 8.0 / 1e9) + link.latency.as_secs_f64();
+    let got = t.elapsed.as_secs_f64();
+    // Headers and rounding only: within 0.1 %.
+    assert!((got - formula).abs() < formula * 1e-3, "{got} vs {formula}");
+    assert!((t.mean_rank_bytes - bytes * 14.0 / 8.0).abs() < bytes * 1e-3);
+
+    // fp16 halves the bytes; every rank still ends with the same bits.
+    let half = time_all_reduce(
+        &cfg,
+        Algorithm::Ring,
+        bytes,
+        Codec::Fp16,
+        Duration::from_secs(600),
+    )
+    .expect("timed");
+    assert!(half.exact && half.ok_ranks == 8);
+    let ratio = half.mean_rank_bytes / t.mean_rank_bytes;
+    assert!((ratio - 0.5).abs() < 0.01, "ratio {ratio}");
+
+    // int8 on whole blocks: a quarter of the bytes plus one scale per block.
+    let int8 = Codec::Int8 { block: 256 };
+    let q = time_all_reduce(&cfg, Algorithm::Ring, bytes, int8, Duration::from_secs(600))
+        .expect("timed");
+    assert!(q.exact && q.ok_ranks == 8);
+    let ratio = q.mean_rank_bytes / t.mean_rank_bytes;
+    assert!(ratio > 0.25 && ratio < 0.27, "int8 ratio {ratio}");
+
+    assert!(matches!(
+        time_all_reduce(
+            &cfg,
+            Algorithm::Ring,
+            2.0,
+            Codec::None,
+            Duration::from_secs(1)
+        ),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+/// Three epochs of training on 1,000 members, 5 % of them dying at seeded virtual times:
+/// each epoch's all-reduce runs in the simulator over the epoch's members, the deaths fail
+/// every survivor's operation with `PeerLost`, and the membership coordinator's state
+/// machine, fed the survivors' heartbeats and reports on the same virtual clock, forms the
+/// next epoch, which every survivor is handed identically; the last epoch's all-reduce is
+/// exact.
+#[test]
+fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
+    use crate::membership::coordinator::{Coordinator, CoordinatorConfig, Readiness};
+    use crate::membership::{MemberId, NO_STATE};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use std::time::Instant;
+
+    let coord_cfg = CoordinatorConfig {
+        min_members: 1,
+        dead_after: Duration::from_millis(300),
+        join_window: Duration::from_millis(200),
+        change_limit: Duration::from_secs(60),
+        rebuild_window: Duration::from_millis(100),
+    };
+    let beat = Duration::from_millis(100);
+    let t0 = Instant::now();
+    let mut c = Coordinator::new(coord_cfg, 1);
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut members: Vec<MemberId> = (1000..2000).collect();
+    for &id in &members {
+        c.register(t0, id, "w:f32[8]", None).expect("registers");
+        c.report(t0, id, 0, NO_STATE);
+    }
+    let mut now = Duration::from_millis(250);
+    for &id in &members {
+        c.heartbeat(t0 + now, id, NO_STATE);
+    }
+    c.handle_timeout(t0 + now);
+    let mut epoch = match c.readiness(members[0], 0) {
+        Readiness::Formed(e) => e,
+        other => panic!("no first epoch: {other:?}"),
+    };
+    let deaths_per_epoch = [17usize, 17, 16, 0];
+    for (e, &deaths) in deaths_per_epoch.iter().enumerate() {
+        assert_eq!(
+            epoch.members.iter().map(|m| m.id).collect::<Vec<_>>(),
+            members
+        );
+        let w = members.len();
+        let mut dying: Vec<usize> = Vec::new();
+        while dying.len() < deaths {
+            let r = rng.random_range(0..w);
+            if !dying.contains(&r) {
+                dying.push(r);
+            }
+        }
+        let mut cfg = datacentre(w);
+        cfg.scale = 1e6;
+        cfg.seed = e as u64;
+        cfg.detect_after = coord_cfg.dead_after;
+        cfg.faults = dying
+            .iter()
+            .map(|&rank| Fault::Rank {
+                rank,
+                at: Duration::from_micros(rng.random_range(0..1000)),
+            })
+            .collect();
+        let (out, report) = all_reduce(&cfg, Algorithm::Tree, 64);
+        let want = expected(w, 64);
+        for (r, (res, v)) in out.iter().enumerate() {
+            match res {
+                Err(Error::Closed(_)) if dying.contains(&r) => {}
+                Err(Error::PeerLost { rank, .. }) if !dying.contains(&r) => {
+                    assert!(dying.contains(rank), "epoch {e} rank {r} blames {rank}")
+                }
+                Ok(()) if deaths == 0 => assert_eq!(v, &want, "epoch {e} rank {r}"),
+                other => panic!("epoch {e} rank {r}: {other:?}"),
+            }
+        }
+        if deaths == 0 {
+            break;
+        }
+        // The coordinator's view on the same clock: everyone heartbeats until it dies (a
+        // death is within the first millisecond, so the dead miss every beat); survivors
+        // report once their operation has failed.
+        let end = now + report.elapsed + coord_cfg.dead_after * 3;
+        let mut reported = false;
+        let mut t = now;
+        while t <= end {
+            for (r, &id) in members.iter().enumerate() {
+                if !dying.contains(&r) {
+                    let b = c.heartbeat(t0 + t, id, e as i64);
+                    if t >= now + report.finished[r] && !reported {
+                        assert!(b.member, "epoch {e}: member {id} dropped");
+                    }
+                }
+            }
+            if !reported && t >= now + report.elapsed {
+                for (r, &id) in members.iter().enumerate() {
+                    if !dying.contains(&r) {
+                        c.report(t0 + t, id, epoch.number, e as i64);
+                    }
+                }
+                reported = true;
+            }
+            c.handle_timeout(t0 + t);
+            t += beat;
+        }
+        now = t;
+        let survivors: Vec<MemberId> = members
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| !dying.contains(r))
+            .map(|(_, &id)| id)
+            .collect();
+        let seen = epoch.number;
+        let next = match c.readiness(survivors[0], seen) {
+            Readiness::Formed(n) => n,
+            other => panic!("epoch {e}: no next epoch: {other:?}"),
+        };
+        for &id in &survivors {
+            assert_eq!(
+                c.readiness(id, seen),
+                Readiness::Formed(next.clone()),
+                "member {id}"
+            );
+        }
+        for (r, &id) in members.iter().enumerate() {
+            if dying.contains(&r) {
+                assert_ne!(c.readiness(id, seen), Readiness::Formed(next.clone()));
+            }
+        }
+        assert_eq!(next.number, seen + 1);
+        members = survivors;
+        epoch = next;
+    }
+    assert_eq!(members.len(), 950);
+}

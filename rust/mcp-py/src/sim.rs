@@ -1,0 +1,80 @@
+//! The simulator's entry point for `mcp-sim`: one all-reduce in virtual time.
+
+use crate::errors::to_py;
+use mcp_core::group::Algorithm;
+use mcp_core::sim::{time_all_reduce, Fault, LinkSpec, SimConfig, Topology};
+use mcp_core::wire::Codec;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::time::Duration;
+
+fn secs(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a non-negative number of seconds, got {s}"
+        ))
+    })
+}
+
+/// Times one all-reduce of `nbytes` per rank (as float32 gradients) on a simulated network
+/// and returns what it took: virtual seconds, bytes per rank, frames, and whether the result
+/// was exact.
+#[pyfunction]
+#[pyo3(signature = (
+    world, algorithm, nbytes, *, ranks_per_host=1, codec="none", block=256,
+    intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0, inter_rtt_s=20e-6, loss=0.0,
+    seed=0, detect_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn sim_all_reduce<'py>(
+    py: Python<'py>,
+    world: usize,
+    algorithm: &str,
+    nbytes: f64,
+    ranks_per_host: usize,
+    codec: &str,
+    block: u32,
+    intra_gbps: f64,
+    intra_rtt_s: f64,
+    inter_gbps: f64,
+    inter_rtt_s: f64,
+    loss: f64,
+    seed: u64,
+    detect_s: f64,
+    fail_rank: Option<usize>,
+    fail_at_s: f64,
+    timeout_s: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let algorithm = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
+    let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
+    let topology = Topology {
+        ranks_per_host,
+        intra: LinkSpec::new(secs("intra_rtt_s", intra_rtt_s)?, intra_gbps * 1e9 / 8.0),
+        inter: LinkSpec::new(secs("inter_rtt_s", inter_rtt_s)?, inter_gbps * 1e9 / 8.0)
+            .with_loss(loss),
+    };
+    let mut cfg = SimConfig::new(world, topology);
+    cfg.seed = seed;
+    cfg.detect_after = secs("detect_s", detect_s)?;
+    if let Some(rank) = fail_rank {
+        cfg.faults.push(Fault::Rank {
+            rank,
+            at: secs("fail_at_s", fail_at_s)?,
+        });
+    }
+    let timeout = secs("timeout_s", timeout_s)?;
+    let t = py
+        .detach(|| time_all_reduce(&cfg, algorithm, nbytes, codec, timeout))
+        .map_err(|e| to_py(py, e))?;
+    let d = PyDict::new(py);
+    d.set_item("elapsed_s", t.elapsed.as_secs_f64())?;
+    d.set_item("max_rank_bytes", t.max_rank_bytes)?;
+    d.set_item("mean_rank_bytes", t.mean_rank_bytes)?;
+    d.set_item("host_card_bytes", t.host_card_bytes)?;
+    d.set_item("frames", t.frames)?;
+    d.set_item("ok_ranks", t.ok_ranks)?;
+    d.set_item("exact", t.exact)?;
+    d.set_item("error", t.first_error.map(|e| e.to_string()))?;
+    Ok(d)
+}
