@@ -6,14 +6,15 @@ import atexit
 import functools
 import json
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypedDict, TypeVar
 
 from . import _core
 from ._buffers import Buffer, view
-from .errors import GroupClosedError
+from .errors import GroupClosedError, SharedMemoryWarning
 from .settings import Settings, env_int
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
@@ -140,6 +141,25 @@ def _counted(
     return deco
 
 
+class Topology(TypedDict):
+    """Where the ranks of a group run (see :meth:`Group.topology`)."""
+
+    #: The ranks of each host, hosts numbered in order of first appearance by rank.
+    hosts: list[list[int]]
+    #: The host index of every rank.
+    host_of_rank: list[int]
+    #: This rank's host index.
+    host: int
+    #: This rank's index among the ranks of its host.
+    local_rank: int
+    #: How many ranks share this rank's host.
+    local_world_size: int
+    #: Every rank's host identity, as announced at the rendezvous.
+    host_ids: list[str]
+    #: The peers this rank reaches through shared memory.
+    shm_peers: list[int]
+
+
 class Group:
     """The ranks of one job. Every rank must call the same collectives in the same order.
 
@@ -156,6 +176,13 @@ class Group:
         self._metrics = _OpCounts()
         self._auto_codec: str | None = None
         _live_groups.add(self)
+        for peer, why in core.shm_fallbacks():
+            warnings.warn(
+                f"rank {self.rank}: no shared memory with rank {peer} on this host ({why}); "
+                "it is reached over QUIC instead",
+                SharedMemoryWarning,
+                stacklevel=3,
+            )
 
     @property
     def core(self) -> _core.ProcessGroup:
@@ -172,6 +199,19 @@ class Group:
         """Transport counters: frames_sent/received, bytes_sent/received, corrupt_frames,
         refused_handshakes."""
         return self.core.stats()
+
+    def topology(self) -> Topology:
+        """Where every rank runs, as learnt at the rendezvous: ``hosts`` (the ranks of each
+        host), ``host_of_rank``, this rank's ``host``, ``local_rank`` and
+        ``local_world_size``, every rank's ``host_ids``, and the ``shm_peers`` this rank
+        reaches through shared memory. A host is a machine and network namespace (with the
+        same boot); ``MCP_HOST_ID`` overrides it. torchrun's ``LOCAL_RANK`` is not used."""
+        return self.core.topology()
+
+    def shm_stats(self) -> dict[str, int]:
+        """The shared-memory path's counters: ``frames_sent``, ``bytes_sent``,
+        ``frames_received``, ``bytes_received`` (not counted in :meth:`stats`)."""
+        return self.core.shm_stats()
 
     def health(self) -> list[dict[str, Any]]:
         """Each other rank: ``state`` (connected / not connected / lost), ``rtt`` and
@@ -554,6 +594,7 @@ def init(
     stall_timeout: float | None = None,
     allow_generated_secret: bool | None = None,
     zero_rtt: bool | None = None,
+    shm: bool | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -583,6 +624,10 @@ def init(
     middlebox's reset) is re-established within 3 heartbeats (at least 2 s), resuming its TLS
     session with 0-RTT data (``zero_rtt``, default ``MCP_ZERO_RTT`` or on); the operations in
     flight resume from what was acknowledged.
+    Ranks on one host (machine and network namespace; ``MCP_HOST_ID`` overrides) send to each
+    other through shared memory (``shm``, default ``MCP_SHM`` or on; off with ``chaos``); a
+    peer whose shared memory cannot be set up is reached over QUIC, with a
+    :class:`SharedMemoryWarning`.
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else env_int("RANK")
@@ -616,6 +661,7 @@ def init(
         master_port,
         chunk_bytes=chunk_bytes,
         protocol_major=_protocol_major,
+        shm=shm,
         **settings.core_kwargs(),
     )
     return Group(core)

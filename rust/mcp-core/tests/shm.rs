@@ -163,14 +163,13 @@ async fn two_hosts_use_quic_between_them_and_shared_memory_inside() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rank_with_shared_memory_off_is_reached_over_quic_and_said_so() {
+async fn a_rank_with_shared_memory_off_is_reached_over_quic() {
     let ts = mesh(&["h", "h", "h"], &[true, false, true], 64 << 10).await;
     assert_eq!(ts[0].transport().shm_peers(), vec![2]);
     assert!(ts[1].transport().shm_peers().is_empty());
-    let fb = ts[0].transport().shm_fallbacks();
-    assert_eq!(fb.len(), 1, "{fb:?}");
-    assert_eq!(fb[0].0, 1);
-    assert!(fb[0].1.contains("shared memory off"), "{fb:?}");
+    assert_eq!(ts[2].transport().shm_peers(), vec![0]);
+    // Turned off by choice: not a failure to report.
+    assert!(ts[0].transport().shm_fallbacks().is_empty());
     all_reduce_checked(&ts, 70_001, Algorithm::Ring).await;
     close(ts).await;
 }

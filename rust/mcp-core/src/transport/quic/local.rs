@@ -63,8 +63,8 @@ impl QuicTransport {
             .collect()
     }
 
-    /// The peers of this host that are reached over QUIC although they share the host, and
-    /// why (shared memory off on one side, or its setup failed).
+    /// The peers of this host that are reached over QUIC because their shared-memory channel
+    /// could not be set up, and why (not those that turned shared memory off).
     pub fn shm_fallbacks(&self) -> Vec<(usize, String)> {
         self.shm_fallbacks
             .lock()
@@ -186,7 +186,7 @@ impl QuicTransport {
                         Error::PeerLost {
                             rank: peer,
                             op: "any operation".into(),
-                            reason: "its process exited without closing its group (the shared-memory channel to it hung up: killed or crashed)".into(),
+                            reason: "the shared-memory channel to it hung up without a goodbye (its process was killed, crashed or abandoned its group)".into(),
                         },
                     );
                 }
@@ -305,15 +305,7 @@ pub(super) async fn setup(t: &Arc<QuicTransport>, accepts: Option<Accepts>) {
         return;
     };
     let (lower, higher) = t.local_peers(&topo);
-    // Peers of this host with shared memory off: QUIC, said once.
-    for p in 0..t.world {
-        if p != t.rank
-            && topo.host_of_rank.get(p) == topo.host_of_rank.get(t.rank)
-            && topo.shm.get(p) == Some(&false)
-        {
-            t.fallback(p, format!("rank {p} has shared memory off (MCP_SHM=0)"));
-        }
-    }
+    // Peers of this host that turned shared memory off chose QUIC: no fallback to report.
     let seg = shm::segment_len(t.cfg.shm_ring_bytes);
     let dials: Vec<_> = lower
         .iter()

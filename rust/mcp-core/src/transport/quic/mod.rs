@@ -1467,6 +1467,9 @@ impl Transport for QuicTransport {
         payload: &'a [u8],
     ) -> Result<()> {
         if let Some(link) = self.shm_link(peer) {
+            // The QUIC connection stays, for heartbeats and progress reports only: a frozen
+            // local peer is found by them, as a remote one is.
+            self.ensure_dialled(peer);
             return self.send_shm(link, peer, header, payload).await;
         }
         let mut conn = self.conn(peer).await?;
@@ -1503,9 +1506,7 @@ impl Transport for QuicTransport {
     }
 
     fn expect_from(&self, peer: usize) {
-        if self.shm_link(peer).is_none() {
-            self.ensure_dialled(peer);
-        }
+        self.ensure_dialled(peer);
     }
 
     fn op_started(&self, seq: u64) {
