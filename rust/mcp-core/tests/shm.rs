@@ -123,17 +123,15 @@ async fn ranks_of_one_host_all_reduce_through_shared_memory_wrapping_the_ring() 
     }
     let before: Vec<u64> = ts
         .iter()
-        .map(|t| t.transport().stats().frames_sent.load(Relaxed))
+        .map(|t| t.transport().stats().bytes_sent.load(Relaxed))
         .collect();
     // 1 Mi floats (4 MiB) through 64 KiB rings: each ring wraps dozens of times.
     all_reduce_checked(&ts, (1 << 20) + 3, Algorithm::Ring).await;
     all_reduce_checked(&ts, 1001, Algorithm::Tree).await;
     for (t, b) in ts.iter().zip(before) {
-        assert_eq!(
-            t.transport().stats().frames_sent.load(Relaxed),
-            b,
-            "no data frame went over QUIC"
-        );
+        // QUIC carries the connections' hellos and heartbeats only, no data.
+        let quic = t.transport().stats().bytes_sent.load(Relaxed) - b;
+        assert!(quic < 64 << 10, "{quic} bytes went over QUIC");
         assert!(t.transport().stats().shm_bytes_sent.load(Relaxed) > 4 << 20);
         assert!(t.transport().stats().shm_frames_received.load(Relaxed) > 0);
     }

@@ -358,7 +358,10 @@ impl ProcessGroup {
         d.set_item("hosts", hosts)?;
         d.set_item("host_of_rank", host_of_rank)?;
         d.set_item("host", host)?;
-        d.set_item("local_rank", mine.iter().position(|&r| r == me).unwrap_or(0))?;
+        d.set_item(
+            "local_rank",
+            mine.iter().position(|&r| r == me).unwrap_or(0),
+        )?;
         d.set_item("local_world_size", mine.len())?;
         d.set_item("host_ids", t.host_ids())?;
         d.set_item("shm_peers", t.shm_peers())?;

@@ -217,9 +217,13 @@ pub(super) fn listen(t: &Arc<QuicTransport>) -> Option<Accepts> {
     if !t.shm_wanted() {
         return None;
     }
-    let name = shm::socket_name(&t.secret, &t.cfg.master, t.rank);
     let (tx, rx) = mpsc::unbounded_channel();
-    let listener = match shm::listen(&name) {
+    // Named after the address this rank announces at the rendezvous, which its peers read
+    // from the table.
+    let listener = match t
+        .local_addr()
+        .and_then(|a| shm::listen(&shm::socket_name(&t.secret, &a, t.rank)))
+    {
         Ok(l) => Some(l),
         Err(e) => {
             // The setup records it for each higher local peer: they find no one, or someone
@@ -310,9 +314,11 @@ pub(super) async fn setup(t: &Arc<QuicTransport>, accepts: Option<Accepts>) {
     let dials: Vec<_> = lower
         .iter()
         .map(|&q| {
-            let name = shm::socket_name(&t.secret, &t.cfg.master, q);
-            let (me, pid) = (t.rank, topo.pids[q]);
+            let addr = t.addr_of(q);
+            let (secret, me, pid) = (t.secret.clone(), t.rank, topo.pids[q]);
             let job = tokio::task::spawn_blocking(move || {
+                let addr = addr.ok_or_else(|| Error::Io(format!("address of rank {q} unknown")))?;
+                let name = shm::socket_name(&secret, &addr, q);
                 shm::connect(&name).and_then(|s| shm::dial(s, me, pid, seg))
             });
             (q, job)

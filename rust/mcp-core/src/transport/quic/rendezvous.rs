@@ -205,37 +205,6 @@ fn store_table(t: &QuicTransport, lines: &[String]) -> Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn entries_round_trip_and_bad_ones_are_protocol_errors() {
-        let e = Entry {
-            addr: "10.0.0.2:4000".parse().expect("addr"),
-            host: "node/netns:4026531840/boot:abc".into(),
-            pid: 4242,
-            shm: true,
-        };
-        assert_eq!(Entry::parse(3, &e.to_line()).expect("parse"), e);
-        for bad in [
-            "",
-            "10.0.0.2:4000",
-            "10.0.0.2:4000 h 12",
-            "10.0.0.2:4000 h 12 1 extra",
-            "nonsense h 12 1",
-            "10.0.0.2:4000 h pid 1",
-            "10.0.0.2:4000 h 12 2",
-            "10.0.0.2:4000  12 1",
-        ] {
-            assert!(
-                matches!(Entry::parse(1, bad), Err(Error::Protocol(_))),
-                "{bad:?}"
-            );
-        }
-    }
-}
-
 /// Rank 0's side of the bootstrap: hands the generated secret to whoever asks while the
 /// rendezvous is open.
 pub(super) async fn serve_secret(me: Weak<QuicTransport>, conn: Connection) {
@@ -303,4 +272,35 @@ pub(super) async fn fetch_secret(cfg: &QuicConfig, deadline: Instant) -> Result<
     };
     ep.close(VarInt::from_u32(close_code::BOOTSTRAP_DONE), b"");
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_bad_ones_are_protocol_errors() {
+        let e = Entry {
+            addr: "10.0.0.2:4000".parse().expect("addr"),
+            host: "node/netns:4026531840/boot:abc".into(),
+            pid: 4242,
+            shm: true,
+        };
+        assert_eq!(Entry::parse(3, &e.to_line()).expect("parse"), e);
+        for bad in [
+            "",
+            "10.0.0.2:4000",
+            "10.0.0.2:4000 h 12",
+            "10.0.0.2:4000 h 12 1 extra",
+            "nonsense h 12 1",
+            "10.0.0.2:4000 h pid 1",
+            "10.0.0.2:4000 h 12 2",
+            "10.0.0.2:4000  12 1",
+        ] {
+            assert!(
+                matches!(Entry::parse(1, bad), Err(Error::Protocol(_))),
+                "{bad:?}"
+            );
+        }
+    }
 }

@@ -442,22 +442,28 @@ impl Drop for Link {
 fn read_loop(mut reader: Reader, sock: UnixStream, stop: &AtomicBool, sink: &Sink) {
     loop {
         match read_frame(&mut reader, &sock, stop) {
-            Ok(Some(ev)) => sink(ev),
-            Ok(None) => return,
-            Err(ev) => {
-                sink(ev);
+            Ok(ev) => sink(ev),
+            Err(End::Quiet) => return,
+            Err(End::HungUp) => {
+                sink(Event::HungUp);
+                return;
+            }
+            Err(End::Broken(e)) => {
+                sink(Event::Broken(e));
                 return;
             }
         }
     }
 }
 
-/// Why the reader stopped waiting.
-enum Stop {
+/// Why the reader stops.
+enum End {
     /// The stop flag, or the ring was closed after the writer's goodbye.
     Quiet,
     /// The peer hung up.
     HungUp,
+    /// The channel cannot be read any more.
+    Broken(Error),
 }
 
 /// Waits until the ring has bytes: spins for a moment, then sleeps on the eventfd, watching
@@ -466,10 +472,10 @@ fn wait_data(
     reader: &Reader,
     sock: &UnixStream,
     stop: &AtomicBool,
-) -> std::result::Result<(), Stop> {
+) -> std::result::Result<(), End> {
     let spin_until = Instant::now() + READER_SPIN;
     loop {
-        if reader.available().unwrap_or(1) > 0 {
+        if reader.available().map_err(End::Broken)? > 0 {
             return Ok(());
         }
         if Instant::now() >= spin_until {
@@ -479,7 +485,7 @@ fn wait_data(
     }
     loop {
         reader.set_asleep(true);
-        if reader.available().unwrap_or(1) > 0 {
+        if reader.available().map_err(End::Broken)? > 0 {
             reader.set_asleep(false);
             return Ok(());
         }
@@ -489,14 +495,14 @@ fn wait_data(
             sys::drain(data);
         }
         reader.set_asleep(false);
-        if reader.available().unwrap_or(1) > 0 {
+        if reader.available().map_err(End::Broken)? > 0 {
             return Ok(());
         }
         if reader.closed() || stop.load(Ordering::Acquire) {
-            return Err(Stop::Quiet);
+            return Err(End::Quiet);
         }
         if p.second {
-            return Err(Stop::HungUp);
+            return Err(End::HungUp);
         }
     }
 }
@@ -506,51 +512,33 @@ fn read_exact(
     sock: &UnixStream,
     stop: &AtomicBool,
     dst: &mut [u8],
-) -> std::result::Result<(), Event> {
+) -> std::result::Result<(), End> {
     let mut off = 0;
     while off < dst.len() {
-        let n = reader.read_some(&mut dst[off..]).map_err(Event::Broken)?;
+        let n = reader.read_some(&mut dst[off..]).map_err(End::Broken)?;
         off += n;
         if n == 0 {
-            match wait_data(reader, sock, stop) {
-                Ok(()) => {}
-                Err(Stop::Quiet) => return Err(quiet()),
-                Err(Stop::HungUp) => return Err(Event::HungUp),
-            }
+            wait_data(reader, sock, stop)?;
         }
     }
     Ok(())
 }
 
-/// The marker a quiet stop travels as inside `read_exact` (never given to the sink).
-fn quiet() -> Event {
-    Event::Broken(Error::Closed("quiet".into()))
-}
-
-fn is_quiet(e: &Event) -> bool {
-    matches!(e, Event::Broken(Error::Closed(m)) if m == "quiet")
-}
-
-/// Reads one frame; `Ok(None)` on a quiet stop, `Err` with the event that ends the channel.
+/// Reads one frame (a damaged payload is an event too: the ring is still in step).
 fn read_frame(
     reader: &mut Reader,
     sock: &UnixStream,
     stop: &AtomicBool,
-) -> std::result::Result<Option<Event>, Event> {
-    let ended = |e: Event| if is_quiet(&e) { Ok(None) } else { Err(e) };
+) -> std::result::Result<Event, End> {
     let mut fixed = [0u8; HEADER_FIXED];
-    if let Err(e) = read_exact(reader, sock, stop, &mut fixed) {
-        return ended(e);
-    }
-    let shape_len = Header::shape_len(&fixed).map_err(Event::Broken)?;
+    read_exact(reader, sock, stop, &mut fixed)?;
+    let shape_len = Header::shape_len(&fixed).map_err(End::Broken)?;
     let mut hbytes = fixed.to_vec();
     hbytes.resize(HEADER_FIXED + shape_len, 0);
-    if let Err(e) = read_exact(reader, sock, stop, &mut hbytes[HEADER_FIXED..]) {
-        return ended(e);
-    }
-    let header = Header::decode(&hbytes).map_err(Event::Broken)?;
+    read_exact(reader, sock, stop, &mut hbytes[HEADER_FIXED..])?;
+    let header = Header::decode(&hbytes).map_err(End::Broken)?;
     if header.payload_len > crate::transport::quic::MAX_FRAME_PAYLOAD {
-        return Err(Event::Broken(Error::Protocol(format!(
+        return Err(End::Broken(Error::Protocol(format!(
             "a shared-memory frame announces {} payload bytes",
             header.payload_len
         ))));
@@ -559,16 +547,14 @@ fn read_frame(
     let mut crc = 0u32;
     let mut left = header.payload_len as usize;
     while left > 0 {
-        let mut piece = Vec::with_capacity(left.min(PIECE));
-        while piece.len() < piece.capacity() {
-            let n = reader.read_into_spare(&mut piece).map_err(Event::Broken)?;
+        let want = left.min(PIECE);
+        let mut piece = Vec::with_capacity(want);
+        while piece.len() < want {
+            let n = reader
+                .read_into_spare(&mut piece, want)
+                .map_err(End::Broken)?;
             if n == 0 {
-                if let Err(e) = wait_data(reader, sock, stop) {
-                    return match e {
-                        Stop::Quiet => Ok(None),
-                        Stop::HungUp => Err(Event::HungUp),
-                    };
-                }
+                wait_data(reader, sock, stop)?;
             }
         }
         crc = crc32c::crc32c_append(crc, &piece);
@@ -584,7 +570,7 @@ fn read_frame(
             header.step,
             header.chunk
         ));
-        return Ok(Some(Event::Damaged(header, e)));
+        return Ok(Event::Damaged(header, e));
     }
-    Ok(Some(Event::Frame(header, payload)))
+    Ok(Event::Frame(header, payload))
 }

@@ -40,14 +40,15 @@ pub fn check_ring_bytes(n: usize) -> Result<()> {
     Ok(())
 }
 
-/// The abstract socket name rank `rank` of the job listens on: derived from the job secret
-/// and the rendezvous address, so that two jobs on one host never meet (and the name tells
-/// nothing of the secret).
-pub(crate) fn socket_name(secret: &[u8], master: &std::net::SocketAddr, rank: usize) -> String {
+/// The abstract socket name rank `rank` listens on: derived from the job secret and the
+/// address that rank's endpoint announced at the rendezvous (unique among the live groups of
+/// a host), so that two jobs or two groups never meet (and the name tells nothing of the
+/// secret).
+pub(crate) fn socket_name(secret: &[u8], endpoint: &std::net::SocketAddr, rank: usize) -> String {
     let mut ctx = ::ring::digest::Context::new(&::ring::digest::SHA256);
     ctx.update(b"mcp_fast shared-memory socket\0");
     ctx.update(secret);
-    ctx.update(master.to_string().as_bytes());
+    ctx.update(endpoint.to_string().as_bytes());
     let d = ctx.finish();
     let hex: String = d.as_ref()[..12]
         .iter()

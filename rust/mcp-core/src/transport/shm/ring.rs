@@ -42,7 +42,7 @@ pub(super) struct Ring {
 impl Ring {
     /// A ring over a mapped segment of `CONTROL + capacity` bytes.
     pub(super) fn new(map: Mapping, data: OwnedFd, room: OwnedFd) -> Result<Ring> {
-        let capacity = map.len().checked_sub(CONTROL).unwrap_or(0);
+        let capacity = map.len().saturating_sub(CONTROL);
         if capacity == 0 {
             return Err(Error::InvalidArgument(format!(
                 "a ring segment of {} bytes has no room for data",
@@ -212,10 +212,11 @@ impl Reader {
         Ok(n)
     }
 
-    /// Reads as many ready bytes as fit into the spare capacity of `dst` (appending them),
-    /// frees their room and returns the count: no zeroing of the buffer first.
-    pub(super) fn read_into_spare(&mut self, dst: &mut Vec<u8>) -> Result<usize> {
-        let n = self.available()?.min(dst.capacity() - dst.len());
+    /// Appends ready bytes to `dst` until it holds `upto` (at most its capacity), without
+    /// zeroing its spare capacity first; frees their room and returns the count.
+    pub(super) fn read_into_spare(&mut self, dst: &mut Vec<u8>, upto: usize) -> Result<usize> {
+        let upto = upto.min(dst.capacity());
+        let n = self.available()?.min(upto.saturating_sub(dst.len()));
         if n == 0 {
             return Ok(0);
         }
