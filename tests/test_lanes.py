@@ -10,6 +10,12 @@ from _launch import free_port, ok, run
 from workers import data
 
 
+@pytest.fixture(autouse=True)
+def _quic_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests exercise QUIC itself: ranks of this host stay off shared memory."""
+    monkeypatch.setenv("MCP_SHM", "0")
+
+
 def _check(results: list[dict], world: int) -> None:
     for out in results:
         for n in (1000, 300_001):

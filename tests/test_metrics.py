@@ -21,6 +21,13 @@ from mcp_fast.cli import monitor
 
 pytestmark = pytest.mark.timeout(60)
 
+
+@pytest.fixture(autouse=True)
+def _quic_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests exercise QUIC itself: ranks of this host stay off shared memory."""
+    monkeypatch.setenv("MCP_SHM", "0")
+
+
 TRANSPORT = {
     "frames_sent",
     "frames_received",

@@ -9,6 +9,12 @@ import pytest
 from _launch import Failure, ok, run
 
 
+@pytest.fixture(autouse=True)
+def _quic_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests exercise QUIC itself: ranks of this host stay off shared memory."""
+    monkeypatch.setenv("MCP_SHM", "0")
+
+
 @pytest.mark.parametrize("lane", ["stream", "fec"])
 def test_connections_dropped_mid_operation_come_back_and_the_results_are_exact(
     lane: str,

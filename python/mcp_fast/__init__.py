@@ -17,11 +17,12 @@ from .errors import (
     PeerLostError,
     PeerStalledError,
     ProtocolError,
+    SharedMemoryWarning,
     SpecMismatchError,
     SupersededError,
     VersionMismatchError,
 )
-from .group import Chaos, Group, Work, init
+from .group import Chaos, Group, Topology, Work, init
 from .guards import GradientGuard, GuardResult, SafeMode
 from .snapshots import SnapshotError, Snapshots
 
@@ -48,10 +49,12 @@ __all__ = [
     "PeerStalledError",
     "ProtocolError",
     "SafeMode",
+    "SharedMemoryWarning",
     "SnapshotError",
     "Snapshots",
     "SpecMismatchError",
     "SupersededError",
+    "Topology",
     "VersionMismatchError",
     "Work",
     "__version__",

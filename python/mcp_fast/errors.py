@@ -107,3 +107,9 @@ __all__ = [
     "SupersededError",
     "VersionMismatchError",
 ]
+
+
+class SharedMemoryWarning(RuntimeWarning):
+    """Shared memory with a peer on this host could not be set up (memfd, mmap or the
+    memory limit failed, the peer's socket was unreachable or failed its credential check):
+    that peer is reached over QUIC instead. The message names the peer and the cause."""

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
 import json
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypedDict, TypeVar
 
 from . import _core
 from ._buffers import Buffer, view
-from .errors import GroupClosedError
+from .errors import GroupClosedError, SharedMemoryWarning
 from .settings import Settings, env_int
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
@@ -141,6 +141,25 @@ def _counted(
     return deco
 
 
+class Topology(TypedDict):
+    """Where the ranks of a group run (see :meth:`Group.topology`)."""
+
+    #: The ranks of each host, hosts numbered in order of first appearance by rank.
+    hosts: list[list[int]]
+    #: The host index of every rank.
+    host_of_rank: list[int]
+    #: This rank's host index.
+    host: int
+    #: This rank's index among the ranks of its host.
+    local_rank: int
+    #: How many ranks share this rank's host.
+    local_world_size: int
+    #: Every rank's host identity, as announced at the rendezvous.
+    host_ids: list[str]
+    #: The peers this rank reaches through shared memory.
+    shm_peers: list[int]
+
+
 class Group:
     """The ranks of one job. Every rank must call the same collectives in the same order.
 
@@ -157,6 +176,13 @@ class Group:
         self._metrics = _OpCounts()
         self._auto_codec: str | None = None
         _live_groups.add(self)
+        for peer, why in core.shm_fallbacks():
+            warnings.warn(
+                f"rank {self.rank}: no shared memory with rank {peer} on this host ({why}); "
+                "it is reached over QUIC instead",
+                SharedMemoryWarning,
+                stacklevel=3,
+            )
 
     @property
     def core(self) -> _core.ProcessGroup:
@@ -173,6 +199,19 @@ class Group:
         """Transport counters: frames_sent/received, bytes_sent/received, corrupt_frames,
         refused_handshakes."""
         return self.core.stats()
+
+    def topology(self) -> Topology:
+        """Where every rank runs, as learnt at the rendezvous: ``hosts`` (the ranks of each
+        host), ``host_of_rank``, this rank's ``host``, ``local_rank`` and
+        ``local_world_size``, every rank's ``host_ids``, and the ``shm_peers`` this rank
+        reaches through shared memory. A host is a machine and network namespace (with the
+        same boot); ``MCP_HOST_ID`` overrides it. torchrun's ``LOCAL_RANK`` is not used."""
+        return self.core.topology()
+
+    def shm_stats(self) -> dict[str, int]:
+        """The shared-memory path's counters: ``frames_sent``, ``bytes_sent``,
+        ``frames_received``, ``bytes_received`` (not counted in :meth:`stats`)."""
+        return self.core.shm_stats()
 
     def health(self) -> list[dict[str, Any]]:
         """Each other rank: ``state`` (connected / not connected / lost), ``rtt`` and
@@ -210,28 +249,6 @@ class Group:
     def chaos_stats(self) -> dict[str, int]:
         """The fault injector's counters (empty without ``chaos=``)."""
         return self.core.chaos_stats()
-
-    @property
-    def topology(self) -> list[int]:
-        """The host index of every rank (hosts numbered by first appearance); one host for
-        all until :meth:`set_host` is called."""
-        return self.core.topology
-
-    def set_host(self, host_id: str) -> None:
-        """Say which host this rank is on (``init`` does it from ``MCP_HOST_ID``); collective:
-        every rank calls it, before or after any operation, with its own host's name. Ranks
-        with equal names share a host. Every rank learns the others' through one all-gather
-        of a 64-bit hash of the names; then broadcasts, all-gathers, reduce-scatters and
-        large all-reduces run hierarchically (inside hosts, then between them) when there is
-        more than one host and more than one rank on some host."""
-        import numpy as np
-
-        if not host_id:
-            raise ValueError("host_id must be a non-empty name of this rank's host")
-        mine = np.frombuffer(hashlib.sha256(host_id.encode()).digest()[:8], np.uint64).copy()
-        hashes = np.zeros((self.world_size, 1), np.uint64)
-        self.all_gather(hashes, mine)
-        self.core.set_topology([f"{int(h):016x}" for h in hashes[:, 0]])
 
     def rtt(self, peer: int) -> float | None:
         """Smoothed round-trip time to ``peer`` in seconds, once connected."""
@@ -581,6 +598,7 @@ def init(
     stall_timeout: float | None = None,
     allow_generated_secret: bool | None = None,
     zero_rtt: bool | None = None,
+    shm: bool | None = None,
     host_id: str | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
@@ -611,9 +629,11 @@ def init(
     middlebox's reset) is re-established within 3 heartbeats (at least 2 s), resuming its TLS
     session with 0-RTT data (``zero_rtt``, default ``MCP_ZERO_RTT`` or on); the operations in
     flight resume from what was acknowledged.
-    ``host_id`` (default ``MCP_HOST_ID``) names this rank's host: set on every rank (or on
-    none), it makes the group learn which ranks share a host (:meth:`Group.set_host`), and
-    the collectives go hierarchical on a multi-host job.
+    Ranks on one host (machine and network namespace; ``host_id``, default ``MCP_HOST_ID``,
+    overrides) send to each other through shared memory (``shm``, default ``MCP_SHM`` or on;
+    off with ``chaos``); a peer whose shared memory cannot be set up is reached over QUIC,
+    with a :class:`SharedMemoryWarning`. With more than one host and more than one rank on
+    some host, the collectives run hierarchically (see :meth:`Group.topology`).
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else env_int("RANK")
@@ -647,14 +667,8 @@ def init(
         master_port,
         chunk_bytes=chunk_bytes,
         protocol_major=_protocol_major,
+        shm=shm,
+        host_id=host_id,
         **settings.core_kwargs(),
     )
-    group = Group(core)
-    host_id = host_id if host_id is not None else os.environ.get("MCP_HOST_ID")
-    if host_id:
-        try:
-            group.set_host(host_id)
-        except BaseException:
-            group.close()
-            raise
-    return group
+    return Group(core)

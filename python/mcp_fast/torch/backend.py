@@ -203,10 +203,6 @@ class MCPProcessGroup(dist.ProcessGroup):
             host, port = _split_addr(addr)
             core = _core.ProcessGroup(rank, size, host, port, **kwargs)
         self._mcp = Group(core)
-        host_id = os.environ.get("MCP_HOST_ID")
-        if host_id:
-            # Which ranks share a host (the collectives go hierarchical across hosts).
-            self._mcp.set_host(host_id)
         # Completion threads: enough that a hook waiting inside a callback never starves them.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mcp-complete")
         self._closed = False

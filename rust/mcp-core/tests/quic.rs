@@ -19,6 +19,8 @@ fn config(rank: usize, world: usize, master: SocketAddr, secret: Option<&[u8]>) 
     c.secret = secret.map(|s| s.to_vec());
     c.connect_timeout = Duration::from_secs(10);
     c.idle_timeout = Duration::from_secs(5);
+    // These tests are about QUIC itself (dialling, breakers, lanes): no shared memory.
+    c.shm = false;
     c
 }
 

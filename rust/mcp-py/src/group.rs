@@ -176,7 +176,7 @@ impl ProcessGroup {
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
                         heartbeat=5.0, lane=None, resend_limit=8,
                         stall_timeout=60.0, allow_generated_secret=false, epoch_of=None,
-                        zero_rtt=true))]
+                        zero_rtt=true, shm=None, host_id=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -200,6 +200,8 @@ impl ProcessGroup {
         allow_generated_secret: bool,
         epoch_of: Option<(PyRef<'_, crate::elastic::ElasticMember>, u64)>,
         zero_rtt: bool,
+        shm: Option<bool>,
+        host_id: Option<String>,
     ) -> PyResult<ProcessGroup> {
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
@@ -218,6 +220,10 @@ impl ProcessGroup {
         cfg.resend_limit = resend_limit;
         cfg.stall_timeout = seconds("stall_timeout", stall_timeout)?;
         cfg.zero_rtt = zero_rtt;
+        if let Some(on) = shm {
+            cfg.shm = on;
+        }
+        cfg.host_id = host_id;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
         }
@@ -271,9 +277,12 @@ impl ProcessGroup {
                 })
             })
             .map_err(|e| to_py(py, e))?;
-        Ok(ProcessGroup {
-            group: Group::new(t, gcfg),
-        })
+        // Which ranks share a host, as the rendezvous found it: the collectives go
+        // hierarchical on a job of several hosts with several ranks on one.
+        let topology = Topology::from_host_of_rank(t.host_of_rank()).map_err(|e| to_py(py, e))?;
+        let group = Group::new(t, gcfg);
+        group.set_topology(topology).map_err(|e| to_py(py, e))?;
+        Ok(ProcessGroup { group })
     }
 
     /// This process's rank.
@@ -304,18 +313,12 @@ impl ProcessGroup {
             .map_err(|e| to_py(py, e))
     }
 
-    /// Tells the group which ranks share a host: `host_ids[r]` names rank r's host (ranks
-    /// with equal names share one). Every rank must give the same list before its next
-    /// collective.
+    /// Overrides which ranks share a host for the algorithms (the rendezvous found it):
+    /// `host_ids[r]` names rank r's host, ranks with equal names share one. Every rank must
+    /// give the same list before its next collective.
     fn set_topology(&self, py: Python<'_>, host_ids: Vec<String>) -> PyResult<()> {
         let topo = Topology::from_host_ids(&host_ids).map_err(|e| to_py(py, e))?;
         self.group.set_topology(topo).map_err(|e| to_py(py, e))
-    }
-
-    /// The host index of every rank (hosts numbered by first appearance).
-    #[getter]
-    fn topology(&self) -> Vec<usize> {
-        self.group.topology().host_of_rank().to_vec()
     }
 
     /// Transport counters: frames and bytes sent and received, corrupt frames, frames resent
@@ -350,6 +353,51 @@ impl ProcessGroup {
                 "quic_lost_packets",
                 paths.iter().map(|p| p.lost_packets).sum(),
             ),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    /// Where every rank runs: `hosts` (the ranks of each host, hosts in order of first
+    /// appearance by rank), `host_of_rank`, this rank's `host`, `local_rank` and
+    /// `local_world_size`, every rank's `host_ids`, and the `shm_peers` this rank reaches
+    /// through shared memory.
+    fn topology<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let t = self.group.transport();
+        let host_of_rank = self.group.topology().host_of_rank().to_vec();
+        let hosts = mcp_core::transport::host::ranks_by_host(&host_of_rank);
+        let me = self.group.rank();
+        let host = host_of_rank.get(me).copied().unwrap_or(0);
+        let mine = hosts.get(host).cloned().unwrap_or_default();
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("hosts", hosts)?;
+        d.set_item("host_of_rank", host_of_rank)?;
+        d.set_item("host", host)?;
+        d.set_item(
+            "local_rank",
+            mine.iter().position(|&r| r == me).unwrap_or(0),
+        )?;
+        d.set_item("local_world_size", mine.len())?;
+        d.set_item("host_ids", t.host_ids())?;
+        d.set_item("shm_peers", t.shm_peers())?;
+        Ok(d)
+    }
+
+    /// The peers of this host reached over QUIC because their shared memory could not be
+    /// set up: (rank, why).
+    fn shm_fallbacks(&self) -> Vec<(usize, String)> {
+        self.group.transport().shm_fallbacks()
+    }
+
+    /// The shared-memory path's counters: frames and bytes sent and received through it.
+    fn shm_stats(&self) -> std::collections::HashMap<&'static str, u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.group.transport().stats();
+        [
+            ("frames_sent", s.shm_frames_sent.load(Relaxed)),
+            ("bytes_sent", s.shm_bytes_sent.load(Relaxed)),
+            ("frames_received", s.shm_frames_received.load(Relaxed)),
+            ("bytes_received", s.shm_bytes_received.load(Relaxed)),
         ]
         .into_iter()
         .collect()

@@ -4,10 +4,12 @@
 //! connections ([`quic`]) and on the in-memory transport ([`mem`]) that `cargo test` uses,
 //! with or without seeded faults.
 
+pub mod host;
 mod mailbox;
 pub mod mem;
 mod payload;
 pub mod quic;
+pub mod shm;
 
 pub use mailbox::{decode_abort, encode_abort, Frame, Lane, Mailbox, MsgKey};
 pub use payload::Payload;

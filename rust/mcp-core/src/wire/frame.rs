@@ -24,8 +24,9 @@ pub const HEADER_MAX: usize = HEADER_FIXED + 8 * MAX_DIMS;
 pub const PROTOCOL_MAJOR: u8 = 1;
 /// The protocol's minor version: peers must agree on it too (it is pinned at the handshake,
 /// as the design advises, since a minor version may frame data differently). 1: stream-lane
-/// frames with the receiver's verdict, and progress reports.
-pub const PROTOCOL_MINOR: u8 = 1;
+/// frames with the receiver's verdict, and progress reports. 2: the rendezvous table carries
+/// each rank's host identity, pid and shared-memory flag.
+pub const PROTOCOL_MINOR: u8 = 2;
 
 /// What a frame is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,6 +7,7 @@ pub mod chaos;
 pub mod congestion;
 pub(crate) mod endpoint;
 mod heartbeat;
+mod local;
 mod reconnect;
 mod rendezvous;
 mod stream_lane;
@@ -108,6 +109,29 @@ pub struct QuicConfig {
     /// Reconnections resume the TLS session and send their first frames as 0-RTT data
     /// (default on; off, a reconnection makes a full handshake first).
     pub zero_rtt: bool,
+    /// Frames to peers on this host go through shared memory (default: on unless
+    /// `MCP_SHM=0`; always off with `chaos`, whose faults sit under QUIC).
+    pub shm: bool,
+    /// Data bytes of each direction's shared-memory ring (default `MCP_SHM_RING_BYTES` or
+    /// [`shm::DEFAULT_RING_BYTES`](crate::transport::shm::DEFAULT_RING_BYTES)).
+    pub shm_ring_bytes: usize,
+    /// This process's host identity; `None` computes it (`MCP_HOST_ID`, else host name,
+    /// network namespace and boot id: see [`host`](crate::transport::host)).
+    pub host_id: Option<String>,
+}
+
+/// `MCP_SHM`: anything but `0` (or unset) leaves shared memory on.
+fn shm_from_env() -> bool {
+    std::env::var("MCP_SHM").map_or(true, |v| v.trim() != "0")
+}
+
+/// `MCP_SHM_RING_BYTES`, or the default; a value that is not a number reads as 0 (refused
+/// at connect, naming the setting).
+fn ring_bytes_from_env() -> usize {
+    match std::env::var("MCP_SHM_RING_BYTES") {
+        Ok(v) => v.trim().parse().unwrap_or(0),
+        Err(_) => crate::transport::shm::DEFAULT_RING_BYTES,
+    }
 }
 
 impl QuicConfig {
@@ -130,6 +154,9 @@ impl QuicConfig {
             resend_limit: DEFAULT_RESEND_LIMIT,
             stall_timeout: Duration::from_secs(60),
             zero_rtt: true,
+            shm: shm_from_env(),
+            shm_ring_bytes: ring_bytes_from_env(),
+            host_id: None,
         }
     }
 }
@@ -181,6 +208,23 @@ pub struct QuicStats {
     /// Reconnections whose 0-RTT data the peer refused (it had no session: a full handshake
     /// followed, and what was sent early went again).
     pub zero_rtt_rejected: AtomicU64,
+    /// Frames sent through shared memory (not in `frames_sent`).
+    pub shm_frames_sent: AtomicU64,
+    /// Frame bytes (headers and payloads) written into shared memory.
+    pub shm_bytes_sent: AtomicU64,
+    /// Frames received through shared memory (not in `frames_received`).
+    pub shm_frames_received: AtomicU64,
+    /// Frame bytes read out of shared memory.
+    pub shm_bytes_received: AtomicU64,
+}
+
+/// Where every rank runs, as the rendezvous told.
+#[derive(Debug, Clone)]
+struct Topology {
+    host_ids: Vec<String>,
+    host_of_rank: Vec<usize>,
+    pids: Vec<u32>,
+    shm: Vec<bool>,
 }
 
 /// One process's end of the QUIC mesh.
@@ -213,6 +257,14 @@ pub struct QuicTransport {
     reset_here: Mutex<std::collections::HashSet<usize>>,
     /// How long the last reconnection took.
     last_reconnect: Mutex<Option<Duration>>,
+    /// This process's host identity.
+    host_id: String,
+    /// Every rank's host, once the rendezvous is over.
+    topology: watch::Sender<Option<Arc<Topology>>>,
+    /// The shared-memory channel to each peer on this host that has one.
+    shm_links: Vec<std::sync::OnceLock<crate::transport::shm::Link>>,
+    /// Peers of this host reached over QUIC instead, and why.
+    shm_fallbacks: Mutex<Vec<(usize, String)>>,
 }
 
 impl QuicTransport {
@@ -246,6 +298,16 @@ impl QuicTransport {
                 "stall_timeout must be positive".into(),
             ));
         }
+        if cfg.shm {
+            crate::transport::shm::check_ring_bytes(cfg.shm_ring_bytes)?;
+        }
+        let host_id = match &cfg.host_id {
+            Some(h) => {
+                crate::transport::host::check_host_id(h)?;
+                h.clone()
+            }
+            None => crate::transport::host::local_host_id()?,
+        };
         if cfg.resend_limit > MAX_RESENDS {
             return Err(Error::InvalidArgument(format!(
                 "resend_limit {} is more than the {MAX_RESENDS} a receiver may ask for",
@@ -321,20 +383,29 @@ impl QuicTransport {
             )),
             reset_here: Mutex::new(std::collections::HashSet::new()),
             last_reconnect: Mutex::new(None),
+            host_id,
+            topology: watch::channel(None).0,
+            shm_links: (0..world).map(|_| std::sync::OnceLock::new()).collect(),
+            shm_fallbacks: Mutex::new(Vec::new()),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
+        let shm_accepts = local::listen(&t);
         let res = match t.local_addr().and_then(bound) {
             Ok(()) => rendezvous::run(&t, deadline).await,
             Err(e) => Err(e),
         };
         t.bootstrap_open.store(false, Ordering::Release);
         if let Err(e) = res {
+            if let Some((task, _)) = shm_accepts {
+                task.abort();
+            }
             t.endpoint.close(
                 VarInt::from_u32(close_code::RENDEZVOUS_FAILED),
                 e.to_string().as_bytes(),
             );
             return Err(e);
         }
+        local::setup(&t, shm_accepts).await;
         Ok(t)
     }
 
@@ -499,7 +570,7 @@ impl QuicTransport {
             .map(|p| {
                 let slot = &self.peers[p];
                 let path = slot.conn.borrow().as_ref().map(PathFigures::of);
-                let connected = path.is_some();
+                let connected = path.is_some() || self.shm_link(p).is_some();
                 let seen = *slot.health.lock().unwrap_or_else(|e| e.into_inner());
                 let lost = self.mailbox.peer_error(p);
                 PeerHealth {
@@ -905,6 +976,11 @@ impl QuicTransport {
         // Frames still on their way (a slow, lossy link can take many seconds): wait while
         // the peers still answer, not a fixed time.
         let (stall, cap) = (self.shutdown_stall(), self.shutdown_cap());
+        // Behind every frame in the ring: a goodbye, then the ring is closed.
+        let goodbye = rendezvous::goodbye_header(self, &[]);
+        for link in self.shm_links.iter().filter_map(|l| l.get()) {
+            link.close_with(&goodbye, &[], stall).await;
+        }
         wait_while_alive(
             || self.unacked_streams.load(Ordering::Acquire) > 0,
             &open,
@@ -1398,6 +1474,12 @@ impl Transport for QuicTransport {
         header: &'a Header,
         payload: &'a [u8],
     ) -> Result<()> {
+        if let Some(link) = self.shm_link(peer) {
+            // The QUIC connection stays, for heartbeats and progress reports only: a frozen
+            // local peer is found by them, as a remote one is.
+            self.ensure_dialled(peer);
+            return self.send_shm(link, peer, header, payload).await;
+        }
         let mut conn = self.conn(peer).await?;
         // A connection that breaks under the send is replaced (see `reconnect`): the frame
         // goes again, whole, on the next one; the receiver drops a copy it already filed.
@@ -1449,6 +1531,9 @@ impl Transport for QuicTransport {
         }
         self.endpoint
             .close(VarInt::from_u32(close_code::GOODBYE), b"group aborted");
+        for link in self.shm_links.iter().filter_map(|l| l.get()) {
+            link.hang_up();
+        }
         self.mailbox
             .close(Error::Closed("this process aborted its group".into()));
         // Wakes sends waiting for a peer to connect: they see `closing` and fail.

@@ -36,14 +36,77 @@ pub(super) fn goodbye_header(t: &QuicTransport, payload: &[u8]) -> Header {
     control_header(t, FrameKind::Goodbye, payload)
 }
 
-/// The Hello a dialer sends first: its rank (as `src`), world size (as `aux`) and address.
+/// A progress report's header.
 pub(super) fn progress_header(t: &QuicTransport, payload: &[u8]) -> Header {
     control_header(t, FrameKind::Progress, payload)
 }
 
+/// The Hello a dialer sends first: its rank (as `src`), world size (as `aux`), and as payload
+/// its rank-table entry (see [`Entry`]).
 pub(super) fn hello_frame(t: &QuicTransport) -> Result<(Header, Vec<u8>)> {
-    let payload = t.local_addr()?.to_string().into_bytes();
+    let entry = Entry {
+        addr: t.local_addr()?,
+        host: t.host_id.clone(),
+        pid: std::process::id(),
+        shm: t.shm_wanted(),
+    };
+    let payload = entry.to_line().into_bytes();
     Ok((control_header(t, FrameKind::Hello, &payload), payload))
+}
+
+/// One rank's line of the rendezvous table: `<addr> <host id> <pid> <shm 0|1>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Entry {
+    /// Where the rank's endpoint listens.
+    pub(super) addr: SocketAddr,
+    /// Its host identity (see `transport::host`).
+    pub(super) host: String,
+    /// Its process id (checked against the credentials of its shared-memory socket).
+    pub(super) pid: u32,
+    /// Whether it takes shared memory with the ranks of its host.
+    pub(super) shm: bool,
+}
+
+impl Entry {
+    pub(super) fn to_line(&self) -> String {
+        format!(
+            "{} {} {} {}",
+            self.addr,
+            self.host,
+            self.pid,
+            u8::from(self.shm)
+        )
+    }
+
+    pub(super) fn parse(rank: usize, line: &str) -> Result<Entry> {
+        let bad = || {
+            Error::Protocol(format!(
+                "rank {rank}'s rendezvous entry {line:?} is not `<address> <host id> <pid> <shm>`"
+            ))
+        };
+        let mut f = line.split(' ');
+        let (Some(a), Some(h), Some(p), Some(s), None) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            return Err(bad());
+        };
+        let addr: SocketAddr = a.parse().map_err(|_| {
+            Error::Protocol(format!(
+                "rank {rank}'s address {a:?} is not a socket address"
+            ))
+        })?;
+        crate::transport::host::check_host_id(h).map_err(|_| bad())?;
+        Ok(Entry {
+            addr,
+            host: h.to_string(),
+            pid: p.parse().map_err(|_| bad())?,
+            shm: match s {
+                "0" => false,
+                "1" => true,
+                _ => return Err(bad()),
+            },
+        })
+    }
 }
 
 fn control_key(src: usize) -> MsgKey {
@@ -70,7 +133,8 @@ fn missing_timeout(missing: &[usize], t: &QuicTransport) -> Error {
 pub(super) async fn run(t: &Arc<QuicTransport>, deadline: Instant) -> Result<()> {
     let deadline_tokio = tokio::time::Instant::from_std(deadline);
     if t.rank == 0 {
-        let mut addrs = vec![t.local_addr()?.to_string()];
+        let own = hello_frame(t)?.1;
+        let mut addrs = vec![String::from_utf8_lossy(&own).into_owned()];
         for r in 1..t.world {
             let frame =
                 match tokio::time::timeout_at(deadline_tokio, t.mailbox.recv(control_key(r))).await
@@ -129,15 +193,15 @@ pub(super) async fn run(t: &Arc<QuicTransport>, deadline: Instant) -> Result<()>
     }
 }
 
-fn store_table(t: &QuicTransport, addrs: &[String]) -> Result<()> {
-    let mut parsed = Vec::with_capacity(addrs.len());
-    for (r, a) in addrs.iter().enumerate() {
-        let sa: SocketAddr = a.parse().map_err(|_| {
-            Error::Protocol(format!("rank {r}'s address {a:?} is not a socket address"))
-        })?;
-        parsed.push(Some(sa));
-    }
-    *t.addrs.lock().unwrap_or_else(|p| p.into_inner()) = parsed;
+fn store_table(t: &QuicTransport, lines: &[String]) -> Result<()> {
+    let entries = lines
+        .iter()
+        .enumerate()
+        .map(|(r, l)| Entry::parse(r, l))
+        .collect::<Result<Vec<Entry>>>()?;
+    *t.addrs.lock().unwrap_or_else(|p| p.into_inner()) =
+        entries.iter().map(|e| Some(e.addr)).collect();
+    t.set_topology(&entries);
     Ok(())
 }
 
@@ -208,4 +272,35 @@ pub(super) async fn fetch_secret(cfg: &QuicConfig, deadline: Instant) -> Result<
     };
     ep.close(VarInt::from_u32(close_code::BOOTSTRAP_DONE), b"");
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_bad_ones_are_protocol_errors() {
+        let e = Entry {
+            addr: "10.0.0.2:4000".parse().expect("addr"),
+            host: "node/netns:4026531840/boot:abc".into(),
+            pid: 4242,
+            shm: true,
+        };
+        assert_eq!(Entry::parse(3, &e.to_line()).expect("parse"), e);
+        for bad in [
+            "",
+            "10.0.0.2:4000",
+            "10.0.0.2:4000 h 12",
+            "10.0.0.2:4000 h 12 1 extra",
+            "nonsense h 12 1",
+            "10.0.0.2:4000 h pid 1",
+            "10.0.0.2:4000 h 12 2",
+            "10.0.0.2:4000  12 1",
+        ] {
+            assert!(
+                matches!(Entry::parse(1, bad), Err(Error::Protocol(_))),
+                "{bad:?}"
+            );
+        }
+    }
 }
