@@ -20,9 +20,11 @@ def test_connections_dropped_mid_operation_come_back_and_the_results_are_exact(
     lane: str,
 ) -> None:
     res = ok(run("reset_mid_run", 3, lane, True, timeout=120))
-    # rank 1 dropped both its connections, twice: it re-established each (the peer that
-    # accepts may see the new connection before the end of the old one, and count none)
-    assert res[1]["reconnects"] >= 4, res
+    # rank 1 dropped both its connections, twice: each of the four came back, counted by
+    # the rank that dialled it again (rank 1 towards rank 0, rank 2 towards rank 1); the
+    # rank that accepts may see the new connection before the end of the old one and count
+    # none, so the count is summed over the ranks
+    assert sum(r["reconnects"] for r in res) >= 4, res
     # rank 1 dials rank 0 again, rank 2 dials rank 1: resumed sessions, 0-RTT data taken
     assert res[1]["zero_rtt_accepted"] + res[2]["zero_rtt_accepted"] >= 4, res
     assert sum(r["zero_rtt_rejected"] for r in res) == 0, res
