@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> int:
         (p - q).abs().max().item()
         for p, q in zip(models["mcp"].parameters(), models["gloo"].parameters(), strict=True)
     )
-    wire = groups["mcp"].mcp_group.stats()["bytes_sent"]
+    wire = groups["mcp"].mcp_group.total_bytes_sent()
     if rank == 0:
         out = {
             "world": world,

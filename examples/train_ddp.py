@@ -89,7 +89,7 @@ def main() -> int:
             loss_t, op=dist.ReduceOp.AVG if args.backend == "mcp" else dist.ReduceOp.SUM
         )
         mean_loss = loss_t.item() / (1 if args.backend == "mcp" else world)
-        wire = mcp_group.stats()["bytes_sent"] if mcp_group is not None else 0
+        wire = mcp_group.total_bytes_sent() if mcp_group is not None else 0
         rows.append((epoch + 1, mean_loss, acc, steps * args.batch * world / dt, wire))
         if rank == 0 and args.json:
             Path(args.json).write_text(

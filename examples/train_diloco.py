@@ -230,7 +230,7 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
         dl = None
         stepper, model = ddp_gloo(model, rank, world)
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
-    bytes0 = group.stats()["bytes_sent"]
+    bytes0 = group.total_bytes_sent()
     losses: list[tuple[int, float]] = []
     bar = None
     if rank == 0 and not a.quiet:
@@ -292,7 +292,7 @@ def train(a: argparse.Namespace) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in eval_model.parameters()),
         "train_losses": losses,
         "eval_loss": evaluate(eval_model, held, a.context),
-        "bytes_sent": group.stats()["bytes_sent"] - bytes0,
+        "bytes_sent": group.total_bytes_sent() - bytes0,
         "wall_s": wall,
         "compute_s": compute,
         "utilisation": compute / wall if wall > 0 else 1.0,

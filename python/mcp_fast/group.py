@@ -213,6 +213,11 @@ class Group:
         ``frames_received``, ``bytes_received`` (not counted in :meth:`stats`)."""
         return self.core.shm_stats()
 
+    def total_bytes_sent(self) -> int:
+        """Bytes of frames sent to every peer by any path: QUIC (:meth:`stats`) and shared
+        memory (:meth:`shm_stats`). What a rank sent, wherever it went."""
+        return int(self.core.stats()["bytes_sent"]) + int(self.core.shm_stats()["bytes_sent"])
+
     def health(self) -> list[dict[str, Any]]:
         """Each other rank: ``state`` (connected / not connected / lost), ``rtt`` and
         ``last_seen`` (seconds), ``silence_limit``, and the ``reason`` it was lost."""

@@ -394,7 +394,7 @@ class DiLoCo:
 
     def _bytes_now(self) -> int:
         try:
-            return int(self._g().stats().get("bytes_sent", 0))
+            return self._g().total_bytes_sent()
         except Exception:  # a closed group, a group without counters
             return 0
 

@@ -437,51 +437,65 @@ async fn serve_repairs(
         .upgrade()
         .map(|t| (t.cfg.idle_timeout, t.cfg.bulk.repair_rounds))
         .unwrap_or((Duration::from_secs(30), MAX_ROUNDS));
-    let ok = async {
+    let outcome = async {
         for round in 0..rounds {
-            {
-                let t = me.upgrade()?;
-                drained(&t, peer, conn).await;
-            }
-            if !write_msg(&mut send, MSG_END, &round.to_le_bytes()).await {
-                return None;
-            }
-            let Msg::Got(kind, body) =
-                tokio::time::timeout(idle, read_msg(&mut recv)).await.ok()?
-            else {
-                return None;
+            let Some(t) = me.upgrade() else {
+                return Repairs::Broken;
             };
-            match kind {
-                MSG_DONE => return Some(()),
-                MSG_NACKS => {
-                    let t = me.upgrade()?;
+            drained(&t, peer, conn).await;
+            drop(t);
+            if !write_msg(&mut send, MSG_END, &round.to_le_bytes()).await {
+                return Repairs::Broken;
+            }
+            let msg = match tokio::time::timeout(idle, read_msg(&mut recv)).await {
+                Ok(Msg::Got(kind, body)) => (kind, body),
+                Ok(_) => return Repairs::Broken,
+                Err(_) => return Repairs::Unfinished,
+            };
+            match msg {
+                (MSG_DONE, _) => return Repairs::Done,
+                (MSG_NACKS, body) => {
+                    let Some(t) = me.upgrade() else {
+                        return Repairs::Broken;
+                    };
                     let mut at = 0;
                     while at < body.len() {
-                        let (nack, used) = crate::fec::Nack::decode(&body[at..]).ok()?;
+                        let Ok((nack, used)) = crate::fec::Nack::decode(&body[at..]) else {
+                            return Repairs::Broken;
+                        };
                         at += used;
-                        let shards = tx.repair(&nack).ok()?;
+                        let Ok(shards) = tx.repair(&nack) else {
+                            return Repairs::Unfinished;
+                        };
                         t.stats
                             .repair_shards
                             .fetch_add(shards.len() as u64, Ordering::Relaxed);
                         for s in shards {
-                            t.send_shard(peer, conn, s).await.ok()?;
+                            match t.send_shard(peer, conn, s).await {
+                                Ok(()) => {}
+                                Err(WriteFail::TooLarge) => return Repairs::Unfinished,
+                                Err(_) => return Repairs::Broken,
+                            }
                         }
                     }
                 }
-                _ => return None,
+                _ => return Repairs::Broken,
             }
         }
-        None
+        Repairs::Unfinished
     }
     .await;
-    match ok {
-        Some(()) => {
+    match outcome {
+        Repairs::Done => {
             let _ = send.finish();
         }
-        None => {
+        // The stream or the connection broke: a reconnection resends what lacks a verdict,
+        // the receiver's wait fails with the connection otherwise.
+        Repairs::Broken => {
+            let _ = send.reset(quinn::VarInt::from_u32(FAILED));
+        }
+        Repairs::Unfinished => {
             let Some(t) = me.upgrade() else { return };
-            // Also while this process closes: shutdown waits for frames still unacknowledged,
-            // and the peer may still need this one.
             if conn.close_reason().is_some() {
                 let _ = send.reset(quinn::VarInt::from_u32(FAILED));
                 return;
@@ -495,6 +509,17 @@ async fn serve_repairs(
             let _ = t.write_checked(peer, conn, header, tx.payload()).await;
         }
     }
+}
+
+/// How a transfer's repair rounds ended.
+enum Repairs {
+    /// The receiver rebuilt the payload.
+    Done,
+    /// The stream or the connection broke, or the peer spoke nonsense.
+    Broken,
+    /// The connection lives but the repairs cannot finish the transfer (round limit, a
+    /// repair shard too large for the path's datagrams now, no answer in time).
+    Unfinished,
 }
 
 /// One transfer in reception.
