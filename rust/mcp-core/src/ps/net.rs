@@ -72,6 +72,7 @@ pub(crate) const MAX_DATA: u64 = 1 << 30;
 const MAX_STREAMS: u32 = 4096;
 
 pub(crate) use crate::transport::quic::endpoint::ControlEndpoint as Bound;
+use crate::config::TransportSettings;
 
 /// Binds `addr` and makes an endpoint that accepts connections when `serve`. A connection
 /// silent for `dead_after` is closed (QUIC pings every quarter of it keep live ones open).
@@ -81,8 +82,9 @@ pub(crate) fn bind(
     serve: bool,
     dead_after: Duration,
     chaos: Option<ChaosConfig>,
+    tune: &TransportSettings,
 ) -> Result<Bound> {
-    endpoint::control_endpoint(addr, secret, serve, dead_after, chaos, alpn(), MAX_STREAMS)
+    endpoint::control_endpoint(addr, secret, serve, dead_after, chaos, alpn(), MAX_STREAMS, tune)
 }
 
 /// The header and metadata of a message; the data section is still on the stream.
