@@ -91,7 +91,13 @@ pub struct TransportSettings {
     pub mtu: Option<u16>,
 }
 
-fn int_in(key: &'static str, v: &ConfigValue, lo: u64, hi: u64, unit: &str) -> Result<u64, ConfigError> {
+fn int_in(
+    key: &'static str,
+    v: &ConfigValue,
+    lo: u64,
+    hi: u64,
+    unit: &str,
+) -> Result<u64, ConfigError> {
     match v {
         ConfigValue::Int(n) if *n >= 0 && (lo..=hi).contains(&(*n as u64)) => Ok(*n as u64),
         _ => Err(ConfigError::BadValue {

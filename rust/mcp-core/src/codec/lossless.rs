@@ -61,8 +61,7 @@ pub enum Compression {
 
 impl Compression {
     /// What [`Compression::parse`] accepts, for error messages.
-    pub const ALLOWED: &'static str =
-        "\"none\", \"zstd\" or \"zstd@L<level>\" with level 1 to 19";
+    pub const ALLOWED: &'static str = "\"none\", \"zstd\" or \"zstd@L<level>\" with level 1 to 19";
 
     /// Parses `"none"`, `"zstd"` (level 1) or `"zstd@L<level>"` with level 1 to 19.
     pub fn parse(name: &str) -> Option<Compression> {
@@ -71,7 +70,9 @@ impl Compression {
             "zstd" => Some(Compression::Zstd(1)),
             _ => {
                 let level: i32 = name.strip_prefix("zstd@L")?.parse().ok()?;
-                (1..=19).contains(&level).then_some(Compression::Zstd(level))
+                (1..=19)
+                    .contains(&level)
+                    .then_some(Compression::Zstd(level))
             }
         }
     }
@@ -363,7 +364,13 @@ mod tests {
     fn sparse(n: usize) -> Vec<u8> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         (0..n)
-            .map(|_| if rng.random_bool(0.02) { rng.random() } else { 0 })
+            .map(|_| {
+                if rng.random_bool(0.02) {
+                    rng.random()
+                } else {
+                    0
+                }
+            })
             .collect()
     }
 
@@ -384,7 +391,11 @@ mod tests {
             let mut enc = Vec::new();
             encode_at(level, DType::U8, &src, &mut enc).unwrap();
             let header = u32::from_le_bytes([enc[0], enc[1], enc[2], enc[3]]);
-            assert_ne!(header & ZSTD_FLAG, 0, "level {level}: plane not given to zstd");
+            assert_ne!(
+                header & ZSTD_FLAG,
+                0,
+                "level {level}: plane not given to zstd"
+            );
             let want = zstd::bulk::compress(&src, level).unwrap();
             assert_eq!(&enc[4..], &want[..], "level {level}");
             // The decoder needs no level: ranks configured differently still agree.
@@ -398,7 +409,11 @@ mod tests {
         let mut enc = Vec::new();
         encode_at(NO_ENTROPY, DType::F32, &src, &mut enc).unwrap();
         let n = src.len() / 4;
-        assert_eq!(enc.len(), src.len() + 4 * 4, "4 raw planes with their headers");
+        assert_eq!(
+            enc.len(),
+            src.len() + 4 * 4,
+            "4 raw planes with their headers"
+        );
         for p in 0..4 {
             let h = &enc[p * (n + 4)..p * (n + 4) + 4];
             assert_eq!(u32::from_le_bytes([h[0], h[1], h[2], h[3]]), n as u32);

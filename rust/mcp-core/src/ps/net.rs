@@ -71,8 +71,8 @@ pub(crate) const MAX_DATA: u64 = 1 << 30;
 /// Requests in flight per connection.
 const MAX_STREAMS: u32 = 4096;
 
-pub(crate) use crate::transport::quic::endpoint::ControlEndpoint as Bound;
 use crate::config::TransportSettings;
+pub(crate) use crate::transport::quic::endpoint::ControlEndpoint as Bound;
 
 /// Binds `addr` and makes an endpoint that accepts connections when `serve`. A connection
 /// silent for `dead_after` is closed (QUIC pings every quarter of it keep live ones open).
@@ -84,7 +84,16 @@ pub(crate) fn bind(
     chaos: Option<ChaosConfig>,
     tune: &TransportSettings,
 ) -> Result<Bound> {
-    endpoint::control_endpoint(addr, secret, serve, dead_after, chaos, alpn(), MAX_STREAMS, tune)
+    endpoint::control_endpoint(
+        addr,
+        secret,
+        serve,
+        dead_after,
+        chaos,
+        alpn(),
+        MAX_STREAMS,
+        tune,
+    )
 }
 
 /// The header and metadata of a message; the data section is still on the stream.
