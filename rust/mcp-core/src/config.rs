@@ -204,7 +204,7 @@ mod tests {
             ("heartbeat_interval", &d),
             ("mtu", &e),
         ])
-        .unwrap();
+        .expect("the documents' example");
         assert_eq!(
             got,
             TransportSettings {
@@ -215,7 +215,7 @@ mod tests {
                 mtu: Some(1440),
             }
         );
-        let mut cfg = QuicConfig::new(0, 1, "127.0.0.1:1".parse().unwrap());
+        let mut cfg = QuicConfig::new(0, 1, "127.0.0.1:1".parse().expect("addr"));
         TransportSettings {
             compression: None,
             ..got
@@ -252,7 +252,9 @@ mod tests {
             ("compression", int(3), "compression=3"),
         ];
         for (k, v, want) in cases {
-            let err = TransportSettings::parse([(*k, v)]).unwrap_err().to_string();
+            let err = TransportSettings::parse([(*k, v)])
+                .expect_err("refused")
+                .to_string();
             assert!(err.contains(want), "{k}={v}: {err}");
         }
     }

@@ -389,14 +389,14 @@ mod tests {
         let src = sparse(50_000);
         for level in [1, 3, 19] {
             let mut enc = Vec::new();
-            encode_at(level, DType::U8, &src, &mut enc).unwrap();
+            encode_at(level, DType::U8, &src, &mut enc).expect("encode");
             let header = u32::from_le_bytes([enc[0], enc[1], enc[2], enc[3]]);
             assert_ne!(
                 header & ZSTD_FLAG,
                 0,
                 "level {level}: plane not given to zstd"
             );
-            let want = zstd::bulk::compress(&src, level).unwrap();
+            let want = zstd::bulk::compress(&src, level).expect("zstd");
             assert_eq!(&enc[4..], &want[..], "level {level}");
             // The decoder needs no level: ranks configured differently still agree.
             assert_eq!(decode_all(DType::U8, &enc, src.len()), src);
@@ -407,7 +407,7 @@ mod tests {
     fn no_entropy_stage_stores_every_plane_raw() {
         let src: Vec<u8> = sparse(40_000);
         let mut enc = Vec::new();
-        encode_at(NO_ENTROPY, DType::F32, &src, &mut enc).unwrap();
+        encode_at(NO_ENTROPY, DType::F32, &src, &mut enc).expect("encode");
         let n = src.len() / 4;
         assert_eq!(
             enc.len(),
@@ -421,7 +421,7 @@ mod tests {
         assert_eq!(decode_all(DType::F32, &enc, n), src);
         // And a default-level encoder's output decodes on the same decoder.
         let mut z = Vec::new();
-        encode_at(1, DType::F32, &src, &mut z).unwrap();
+        encode_at(1, DType::F32, &src, &mut z).expect("encode");
         assert!(z.len() < enc.len());
         assert_eq!(decode_all(DType::F32, &z, n), src);
     }
