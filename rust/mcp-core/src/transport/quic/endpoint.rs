@@ -352,3 +352,72 @@ pub(crate) async fn accept_authenticated<T, F, Fut>(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TransportSettings;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+
+    /// One poll of `f`: whether it is ready now.
+    fn ready_now<F: Future>(f: F) -> bool {
+        let mut f = pin!(f);
+        matches!(
+            f.as_mut().poll(&mut Context::from_waker(Waker::noop())),
+            Poll::Ready(_)
+        )
+    }
+
+    #[tokio::test]
+    async fn max_streams_bounds_the_streams_open_at_once_and_a_send_waits_for_one() {
+        let tune = TransportSettings {
+            max_streams: Some(2),
+            ..TransportSettings::default()
+        };
+        let (secret, alpn) = ([7u8; 32], b"mcp-test".to_vec());
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let dead = Duration::from_secs(10);
+        let server = control_endpoint(any, &secret, true, dead, None, alpn.clone(), 99, &tune)
+            .expect("server");
+        let client =
+            control_endpoint(any, &secret, false, dead, None, alpn, 99, &tune).expect("client");
+        let addr = server.endpoint.local_addr().expect("bound");
+        let connecting = client
+            .endpoint
+            .connect_with(client.client.clone(), addr, super::super::tls::SERVER_NAME)
+            .expect("connect");
+        // The server side must accept for the handshake to go on.
+        let accepting = async {
+            let incoming = server.endpoint.accept().await.expect("incoming");
+            incoming.await.expect("accepted")
+        };
+        let (conn, peer) = tokio::join!(connecting, accepting);
+        let conn = conn.expect("handshake");
+        let mut open = Vec::new();
+        for i in 0..2u8 {
+            let (mut s, _r) = conn.open_bi().await.expect("within the limit");
+            s.write_all(&[i]).await.expect("write");
+            open.push(s);
+        }
+        // The limit is the peer's transport parameter: a third stream cannot open yet.
+        assert!(
+            !ready_now(conn.open_bi()),
+            "a third stream opened past max_streams=2"
+        );
+        // The peer takes the first stream and both sides finish it: its credit comes back
+        // and the waiting open goes through.
+        let (mut ps, mut pr) = peer.accept_bi().await.expect("first stream");
+        let mut b = [0u8; 1];
+        pr.read_exact(&mut b).await.expect("read");
+        assert_eq!(b, [0]);
+        let mut first = open.remove(0);
+        first.finish().expect("finish");
+        ps.finish().expect("finish");
+        pr.read_to_end(16).await.expect("end");
+        drop((ps, pr));
+        let third = tokio::time::timeout(Duration::from_secs(10), conn.open_bi()).await;
+        assert!(matches!(third, Ok(Ok(_))), "the third stream never opened");
+    }
+}
