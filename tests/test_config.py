@@ -197,10 +197,10 @@ def test_the_torch_backend_takes_pg_options_or_mcp_config(tmp_path) -> None:
     (tmp_path / "typo.json").write_text('{"mtu": 1300, "mtus": 1}')
     env = {"MCP_CONFIG": str(tmp_path / "typo.json")}
     results = run("config_workers.torch_with_config", 2, None, timeout=120, env=env)
-    assert any(isinstance(r, Failure) for r in results), results
+    assert all(isinstance(r, Failure) for r in results), results
     for r in results:
-        if isinstance(r, Failure) and r.type == "ValueError":
-            assert 'unknown transport config key "mtus"' in r.message
+        assert r.type == "ValueError", r.message
+        assert 'unknown transport config key "mtus"' in r.message, r.message
 
 
 def test_the_parameter_server_takes_the_config() -> None:

@@ -196,14 +196,20 @@ class MCPProcessGroup(dist.ProcessGroup):
             except ValueError as e:
                 store.set("mcp/addr", f"error:{e}")  # the other ranks raise it too, not wait
                 raise
-            core = _core.ProcessGroup(
-                0,
-                size,
-                ip,
-                0,
-                on_bound=lambda addr: store.set("mcp/addr", addr),
-                **kwargs,
-            )
+            try:
+                core = _core.ProcessGroup(
+                    0,
+                    size,
+                    ip,
+                    0,
+                    on_bound=lambda addr: store.set("mcp/addr", addr),
+                    **kwargs,
+                )
+            except ValueError as e:
+                # A bad setting (e.g. a config key) is refused before binding: the others
+                # raise it too instead of losing the store.
+                store.set("mcp/addr", f"error:{e}")
+                raise
         else:
             addr = store.get("mcp/addr").decode()
             if addr.startswith("error:"):
