@@ -58,7 +58,7 @@ class ProcessGroup:
         protocol_major: int | None = None,
         on_bound: Callable[[str], None] | None = None,
         chaos: str | None = None,
-        heartbeat: float = 5.0,
+        heartbeat: float | None = None,
         lane: str | None = None,
         resend_limit: int = 8,
         stall_timeout: float = 60.0,
@@ -67,6 +67,7 @@ class ProcessGroup:
         zero_rtt: bool = True,
         shm: bool | None = None,
         host_id: str | None = None,
+        config: dict[str, Any] | None = None,
     ) -> Self: ...
     def health(self) -> list[dict[str, Any]]: ...
     def set_topology(self, host_ids: list[str]) -> None: ...
@@ -228,6 +229,7 @@ class PsServer:
         register_timeout: float = 300.0,
         chaos: str | None = None,
         restore: tuple[int, list[_PieceTuple], list[int]] | None = None,
+        config: dict[str, Any] | None = None,
     ) -> Self: ...
     @property
     def local_addr(self) -> str: ...
@@ -251,6 +253,7 @@ class PsWorker:
         dead_after: float = 5.0,
         split_above: int = 262144,
         chaos: str | None = None,
+        config: dict[str, Any] | None = None,
     ) -> Self: ...
     @property
     def worker(self) -> int: ...

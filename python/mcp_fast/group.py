@@ -8,7 +8,7 @@ import json
 import os
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypedDict, TypeVar
 
@@ -605,6 +605,7 @@ def init(
     zero_rtt: bool | None = None,
     shm: bool | None = None,
     host_id: str | None = None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -639,6 +640,11 @@ def init(
     off with ``chaos``); a peer whose shared memory cannot be set up is reached over QUIC,
     with a :class:`SharedMemoryWarning`. With more than one host and more than one rank on
     some host, the collectives run hierarchically (see :meth:`Group.topology`).
+    ``config`` (default: the JSON or TOML file ``MCP_CONFIG`` names) is the transport config
+    as the documents write it, e.g. ``{"max_streams": 4096, "fec_group_size": 8,
+    "compression": "zstd@L3", "heartbeat_interval": 5000, "mtu": 1440}``; an unknown key or
+    bad value is a ``ValueError`` naming it (see docs/configuration.md). Explicit arguments
+    win over it, and it wins over the environment.
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else env_int("RANK")
@@ -664,6 +670,7 @@ def init(
         stall_timeout=stall_timeout,
         allow_generated_secret=allow_generated_secret,
         zero_rtt=zero_rtt,
+        config=config,
     )
     core = _core.ProcessGroup(
         rank,

@@ -73,7 +73,7 @@ from . import _core
 from ._buffers import Buffer, view
 from .checkpoint import DeltaCheckpointer
 from .guards import GradientGuard
-from .settings import Settings
+from .settings import Settings, load_config
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,11 @@ class Server:
     ``num_workers`` workers must register before any of them starts. With
     ``checkpoint_dir``, :meth:`checkpoint` (called by :meth:`serve` every
     ``checkpoint_every`` seconds) saves the shard there; ``restore=True`` loads the latest
-    checkpoint of that directory first.
+    checkpoint of that directory first. ``config`` (default: the file ``MCP_CONFIG`` names)
+    is the transport config (see :mod:`mcp_fast.settings`): its ``max_streams`` and ``mtu``
+    shape the server's QUIC endpoint, ``heartbeat_interval`` its ping interval (``dead_after``
+    still decides when a silent worker is dropped) and ``compression`` the lossless level;
+    ``fec_group_size`` is checked but has no FEC lane to act on here.
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class Server:
         dead_after: float = 5.0,
         register_timeout: float = 300.0,
         chaos: Any = None,
+        config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: float = 1.0,
         full_every: int = 10,
@@ -194,6 +199,7 @@ class Server:
             register_timeout=register_timeout,
             chaos=_chaos(chaos),
             restore=held,
+            config=load_config(config) or None,
         )
 
     @property
@@ -313,7 +319,8 @@ class Worker:
     :attr:`clock`; it waits up to ``timeout`` for an id to fall vacant). ``timeout`` bounds
     every operation, retries and reconnections included
     (``MCPTimeoutError``/``PeerLostError`` after it). ``codec`` (``"none"``, ``"fp16"``,
-    ``"bf16"``, ``"int8"``) encodes pushed gradients.
+    ``"bf16"``, ``"int8"``) encodes pushed gradients. ``config``: the transport config, as
+    for :class:`Server`.
     """
 
     def __init__(
@@ -328,6 +335,7 @@ class Worker:
         chaos: Any = None,
         codec: str = "none",
         block: int = 256,
+        config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
@@ -355,6 +363,7 @@ class Worker:
             dead_after=dead_after,
             split_above=split_above,
             chaos=_chaos(chaos),
+            config=load_config(config) or None,
         )
 
     @property

@@ -19,17 +19,29 @@ and the parameter server all take their settings from here, so that ``MCP_CHAOS`
   TLS session, its first frames as 0-RTT data (1); 0 makes a full handshake first.
 - ``MCP_HOST_ID`` / ``host_id`` (read by ``mcp.init`` and the torch backend): this rank's
   host name; ranks with equal names share a host and the collectives go hierarchical.
+- ``MCP_CONFIG`` / ``config``: the transport config as the documents write it, a dict or the
+  path of a JSON or TOML file holding one: ``max_streams``, ``fec_group_size``,
+  ``compression`` (``"none"``, ``"zstd"``, ``"zstd@L3"``), ``heartbeat_interval``
+  (milliseconds) and ``mtu`` (see docs/configuration.md).
+
+Precedence: an explicit keyword argument, then the config (``config=``, else the file
+``MCP_CONFIG`` names), then the other environment variables, then the defaults. The one key
+that overlaps another setting is ``heartbeat_interval`` (``heartbeat=`` / ``MCP_HEARTBEAT``).
 
 Values are checked once, by the core, which names the setting that is wrong.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Settings", "env_float", "env_int"]
+__all__ = ["Settings", "env_float", "env_int", "load_config"]
 
 
 def _env(name: str, parse: Any, what: str) -> Any:
@@ -52,6 +64,34 @@ def env_int(name: str) -> int | None:
     return _env(name, int, "an integer")
 
 
+def load_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The transport config: ``config`` itself when it is a mapping, else the JSON or TOML
+    file it names (by its suffix: ``.toml`` is TOML, anything else JSON), else the file
+    ``MCP_CONFIG`` names, else empty. The keys and values are checked by the core."""
+    if config is None:
+        config = os.environ.get("MCP_CONFIG") or None
+        if config is None:
+            return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"transport config file {str(path)!r} cannot be read: {e}") from None
+    try:
+        loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise ValueError(f"transport config file {str(path)!r} is not valid {kind}: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"transport config file {str(path)!r} must hold a table of keys, "
+            f"got {type(loaded).__name__}"
+        )
+    return loaded
+
+
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
@@ -64,13 +104,14 @@ class Settings:
     timeout: float
     connect_timeout: float
     idle_timeout: float
-    heartbeat: float
+    heartbeat: float | None
     chaos: str | None
     lane: str
     resend_limit: int
     stall_timeout: float
     allow_generated_secret: bool
     zero_rtt: bool
+    config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def resolve(
@@ -87,9 +128,14 @@ class Settings:
         stall_timeout: float | None = None,
         allow_generated_secret: bool | None = None,
         zero_rtt: bool | None = None,
+        config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     ) -> Settings:
         """The settings for the given arguments; those left ``None`` come from the
-        environment, then from the defaults."""
+        config, then the environment, then the defaults. ``heartbeat`` is ``None`` when the
+        config's ``heartbeat_interval`` decides it."""
+        cfg = load_config(config)
+        if heartbeat is None and "heartbeat_interval" not in cfg:
+            heartbeat = _first(env_float("MCP_HEARTBEAT"), 5.0)
         s = _first(secret, os.environ.get("MCP_SECRET") or None)
         timeout = _first(timeout, env_float("MCP_TIMEOUT"), 300.0)
         chaos = _first(chaos, os.environ.get("MCP_CHAOS") or None)
@@ -100,7 +146,7 @@ class Settings:
                 _first(connect_timeout, env_float("MCP_CONNECT_TIMEOUT"), timeout)
             ),
             idle_timeout=float(_first(idle_timeout, env_float("MCP_IDLE_TIMEOUT"), 30.0)),
-            heartbeat=float(_first(heartbeat, env_float("MCP_HEARTBEAT"), 5.0)),
+            heartbeat=float(heartbeat) if heartbeat is not None else None,
             chaos=str(chaos) if chaos is not None else None,
             lane=_first(lane, os.environ.get("MCP_LANE") or None, "auto"),
             resend_limit=int(_first(resend_limit, env_int("MCP_RESEND_LIMIT"), 8)),
@@ -109,6 +155,7 @@ class Settings:
                 _first(allow_generated_secret, env_int("MCP_ALLOW_GENERATED_SECRET"), 0)
             ),
             zero_rtt=bool(_first(zero_rtt, env_int("MCP_ZERO_RTT"), 1)),
+            config=cfg,
         )
 
     def core_kwargs(self) -> dict[str, Any]:
@@ -125,4 +172,5 @@ class Settings:
             "stall_timeout": self.stall_timeout,
             "allow_generated_secret": self.allow_generated_secret,
             "zero_rtt": self.zero_rtt,
+            "config": self.config or None,
         }

@@ -20,7 +20,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -162,13 +162,21 @@ def _split_addr(addr: str) -> tuple[str, int]:
 class MCPProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on mcp_fast's Rust core."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    ) -> None:
         super().__init__(rank, size)
         self._group_name = ""
         self._group_desc = ""
         seconds = max(1.0, timeout.total_seconds())
-        # torch's timeout bounds every operation; the rest comes from MCP_* like mcp.init's.
-        settings = Settings.resolve(timeout=seconds)
+        # torch's timeout bounds every operation; the rest comes from the transport config
+        # (pg_options, else MCP_CONFIG) and MCP_* like mcp.init's.
+        settings = Settings.resolve(timeout=seconds, config=config)
         if settings.secret is None:
             # torch's Store is the trust boundary here, as for Gloo.
             if rank == 0:
@@ -188,14 +196,20 @@ class MCPProcessGroup(dist.ProcessGroup):
             except ValueError as e:
                 store.set("mcp/addr", f"error:{e}")  # the other ranks raise it too, not wait
                 raise
-            core = _core.ProcessGroup(
-                0,
-                size,
-                ip,
-                0,
-                on_bound=lambda addr: store.set("mcp/addr", addr),
-                **kwargs,
-            )
+            try:
+                core = _core.ProcessGroup(
+                    0,
+                    size,
+                    ip,
+                    0,
+                    on_bound=lambda addr: store.set("mcp/addr", addr),
+                    **kwargs,
+                )
+            except ValueError as e:
+                # A bad setting (e.g. a config key) is refused before binding: the others
+                # raise it too instead of losing the store.
+                store.set("mcp/addr", f"error:{e}")
+                raise
         else:
             addr = store.get("mcp/addr").decode()
             if addr.startswith("error:"):
@@ -550,8 +564,12 @@ def _split(t: torch.Tensor, sizes: list[int], w: int) -> list[torch.Tensor]:
     return list(torch.split(t, sizes, dim=0))
 
 
-def _create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> MCPProcessGroup:
-    return MCPProcessGroup(store, rank, size, timeout)
+def _create(opts: Any, pg_options: Any = None) -> MCPProcessGroup:
+    # pg_options of init_process_group("mcp", pg_options=...) is the transport config: a
+    # dict or a JSON/TOML file path. new_group() without one hands over a copy of the parent's
+    # torch options object, which is no config: MCP_CONFIG applies then.
+    config = pg_options if isinstance(pg_options, (Mapping, str, os.PathLike)) else None
+    return MCPProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, config)
 
 
 _registered = False
@@ -563,7 +581,7 @@ def register() -> None:
     if _registered or BACKEND in dist.Backend.backend_list:
         _registered = True
         return
-    dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
     _registered = True
 
 

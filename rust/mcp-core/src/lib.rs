@@ -11,6 +11,7 @@ pub mod backoff;
 pub mod buffer;
 pub mod codec;
 pub mod collectives;
+pub mod config;
 pub mod delta;
 pub mod dtype;
 pub mod entropy;

@@ -36,6 +36,7 @@ fn client(servers: Vec<SocketAddr>, worker: u32, secret: &[u8]) -> ClientConfig 
         dead_after: Duration::from_secs(2),
         split_above: 64,
         chaos: None,
+        transport: Default::default(),
     }
 }
 

@@ -174,9 +174,9 @@ impl ProcessGroup {
     #[pyo3(signature = (rank, world_size, master_addr, master_port, secret=None, timeout=300.0,
                         connect_timeout=300.0, idle_timeout=30.0, chunk_bytes=1<<20,
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
-                        heartbeat=5.0, lane=None, resend_limit=8,
+                        heartbeat=None, lane=None, resend_limit=8,
                         stall_timeout=60.0, allow_generated_secret=false, epoch_of=None,
-                        zero_rtt=true, shm=None, host_id=None))]
+                        zero_rtt=true, shm=None, host_id=None, config=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -193,7 +193,7 @@ impl ProcessGroup {
         protocol_major: Option<u8>,
         on_bound: Option<Py<PyAny>>,
         chaos: Option<&str>,
-        heartbeat: f64,
+        heartbeat: Option<f64>,
         lane: Option<&str>,
         resend_limit: u32,
         stall_timeout: f64,
@@ -202,7 +202,9 @@ impl ProcessGroup {
         zero_rtt: bool,
         shm: Option<bool>,
         host_id: Option<String>,
+        config: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<ProcessGroup> {
+        let tune = crate::config::settings(config)?;
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
                 "rank must be in [0, world_size); got rank={rank}, world_size={world_size}"
@@ -216,7 +218,11 @@ impl ProcessGroup {
         cfg.allow_generated_secret = allow_generated_secret;
         cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
         cfg.idle_timeout = seconds("idle_timeout", idle_timeout)?;
-        cfg.heartbeat = seconds("heartbeat", heartbeat)?;
+        // An explicit heartbeat (seconds) wins over the config's heartbeat_interval.
+        tune.apply(&mut cfg);
+        if let Some(h) = heartbeat {
+            cfg.heartbeat = seconds("heartbeat", h)?;
+        }
         cfg.resend_limit = resend_limit;
         cfg.stall_timeout = seconds("stall_timeout", stall_timeout)?;
         cfg.zero_rtt = zero_rtt;

@@ -1,6 +1,7 @@
 //! `mcp_fast._core`: the thin PyO3 binding of mcp-core. It converts arguments, releases the
 //! GIL for every operation, and maps core errors to Python exceptions; nothing else.
 
+mod config;
 mod delta;
 mod elastic;
 mod errors;

@@ -134,7 +134,7 @@ impl PsServer {
     #[pyo3(signature = (bind, secret, optimizer="sgd", lr=0.01, momentum=0.9, weight_decay=0.0,
                         nesterov=false, betas=(0.9, 0.999), eps=1e-8, aggregate="mean",
                         staleness=3, num_workers=1, dead_after=5.0, register_timeout=300.0,
-                        chaos=None, restore=None))]
+                        chaos=None, restore=None, config=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -154,7 +154,9 @@ impl PsServer {
         register_timeout: f64,
         chaos: Option<&str>,
         restore: Option<(u64, Vec<PieceTuple>, Vec<u32>)>,
+        config: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<PsServer> {
+        let transport = crate::config::settings(config)?;
         let restore = restore
             .map(|(applied, pieces, workers)| pieces_of(pieces).map(|p| (applied, p, workers)))
             .transpose()?;
@@ -177,6 +179,10 @@ impl PsServer {
         cfg.dead_after = seconds("dead_after", dead_after)?;
         cfg.register_timeout = seconds("register_timeout", register_timeout)?;
         cfg.chaos = self::chaos(chaos)?;
+        if let Some(c) = transport.compression {
+            c.install();
+        }
+        cfg.transport = transport;
         let rt = runtime(py)?;
         let inner = py
             .detach(|| rt.block_on(ps::PsServer::start_with(cfg, restore)))
@@ -295,7 +301,7 @@ impl PsWorker {
     /// `worker=None`: a replacement, which claims a vacant id (waiting for one).
     #[new]
     #[pyo3(signature = (servers, worker, secret, timeout=60.0, dead_after=5.0,
-                        split_above=1<<18, chaos=None))]
+                        split_above=1<<18, chaos=None, config=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -306,8 +312,14 @@ impl PsWorker {
         dead_after: f64,
         split_above: u64,
         chaos: Option<&str>,
+        config: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<PsWorker> {
+        let transport = crate::config::settings(config)?;
+        if let Some(c) = transport.compression {
+            c.install();
+        }
         let cfg = ClientConfig {
+            transport,
             servers: servers.iter().map(|s| addr(s)).collect::<PyResult<_>>()?,
             worker,
             secret,

@@ -21,11 +21,15 @@ use crate::dtype::DType;
 use crate::entropy::{choose, huffman, Choice};
 use crate::error::{Error, Result};
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicI32, Ordering};
 use zstd::bulk::{Compressor, Decompressor};
 
 /// Elements per independently coded chunk (256 KiB of f32).
 pub(super) const CHUNK: usize = 65_536;
-const LEVEL: i32 = 1;
+/// The zstd level in use, or [`NO_ENTROPY`]: process-wide, set by [`Compression::install`].
+static LEVEL: AtomicI32 = AtomicI32::new(1);
+/// [`LEVEL`] when planes are stored raw (no entropy stage).
+const NO_ENTROPY: i32 = 0;
 const ZSTD_FLAG: u32 = 1 << 31;
 const HUFFMAN_FLAG: u32 = 1 << 30;
 const LEN_MASK: u32 = HUFFMAN_FLAG - 1;
@@ -42,8 +46,58 @@ pub(super) fn max_encoded_len(dtype: DType, n: usize) -> usize {
         .saturating_add(huffman::GAP)
 }
 
+/// The lossless codec's entropy stage, as the transport config's `compression` key names it.
+///
+/// Only the encoder uses it: every plane says how it is stored (raw, Huffman or zstd, and
+/// zstd frames decode at any level), so ranks with different settings still decode each
+/// other bit-exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// Byte planes stored raw: no Huffman, no zstd.
+    None,
+    /// Huffman, zstd at this level (1 to 19) or raw per plane, by sampled entropy.
+    Zstd(i32),
+}
+
+impl Compression {
+    /// What [`Compression::parse`] accepts, for error messages.
+    pub const ALLOWED: &'static str = "\"none\", \"zstd\" or \"zstd@L<level>\" with level 1 to 19";
+
+    /// Parses `"none"`, `"zstd"` (level 1) or `"zstd@L<level>"` with level 1 to 19.
+    pub fn parse(name: &str) -> Option<Compression> {
+        match name {
+            "none" => Some(Compression::None),
+            "zstd" => Some(Compression::Zstd(1)),
+            _ => {
+                let level: i32 = name.strip_prefix("zstd@L")?.parse().ok()?;
+                (1..=19)
+                    .contains(&level)
+                    .then_some(Compression::Zstd(level))
+            }
+        }
+    }
+
+    /// Makes this the entropy stage of every lossless encode in the process from now on.
+    pub fn install(self) {
+        let level = match self {
+            Compression::None => NO_ENTROPY,
+            Compression::Zstd(l) => l,
+        };
+        LEVEL.store(level, Ordering::Relaxed);
+    }
+
+    /// The entropy stage lossless encodes use now (default zstd level 1).
+    pub fn current() -> Compression {
+        match LEVEL.load(Ordering::Relaxed) {
+            NO_ENTROPY => Compression::None,
+            l => Compression::Zstd(l),
+        }
+    }
+}
+
 thread_local! {
-    static COMPRESSOR: RefCell<Option<Compressor<'static>>> = const { RefCell::new(None) };
+    /// The compressor of this thread and the level it was made for.
+    static COMPRESSOR: RefCell<Option<(i32, Compressor<'static>)>> = const { RefCell::new(None) };
     static DECOMPRESSOR: RefCell<Option<Decompressor<'static>>> = const { RefCell::new(None) };
 }
 
@@ -52,12 +106,20 @@ fn zstd_err(e: std::io::Error) -> Error {
 }
 
 pub(super) fn encode(dtype: DType, src: &[u8], out: &mut Vec<u8>) -> Result<()> {
+    encode_at(LEVEL.load(Ordering::Relaxed), dtype, src, out)
+}
+
+/// [`encode`] with zstd level `level` ([`NO_ENTROPY`]: every plane raw).
+fn encode_at(level: i32, dtype: DType, src: &[u8], out: &mut Vec<u8>) -> Result<()> {
     let size = dtype.size();
     COMPRESSOR.with(|cell| {
         let mut cell = cell.borrow_mut();
         let z = match &mut *cell {
-            Some(z) => z,
-            none => none.insert(Compressor::new(LEVEL).map_err(zstd_err)?),
+            Some((l, z)) if *l == level || level == NO_ENTROPY => z,
+            slot => {
+                let z = Compressor::new(level.max(1)).map_err(zstd_err)?;
+                &mut slot.insert((level, z)).1
+            }
         };
         let mut planes = vec![0u8; CHUNK.min(src.len() / size) * size];
         for chunk in src.chunks(CHUNK * size) {
@@ -67,7 +129,12 @@ pub(super) fn encode(dtype: DType, src: &[u8], out: &mut Vec<u8>) -> Result<()> 
             for plane in planes.chunks_exact(m) {
                 let head = out.len();
                 out.extend_from_slice(&[0; 4]);
-                let header = match choose(plane, RAW_ENTROPY) {
+                let choice = if level == NO_ENTROPY {
+                    Choice::Raw
+                } else {
+                    choose(plane, RAW_ENTROPY)
+                };
+                let header = match choice {
                     Choice::Huffman if huffman::encode_bounded(plane, m - 1, out) => {
                         HUFFMAN_FLAG | (out.len() - head - 4) as u32
                     }
@@ -291,6 +358,72 @@ mod tests {
         .expect("decode");
         assert_eq!(out, src, "{dtype}");
         enc
+    }
+
+    /// Mostly zeros with a few values: a plane the sampler gives to zstd.
+    fn sparse(n: usize) -> Vec<u8> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        (0..n)
+            .map(|_| {
+                if rng.random_bool(0.02) {
+                    rng.random()
+                } else {
+                    0
+                }
+            })
+            .collect()
+    }
+
+    fn decode_all(dtype: DType, enc: &[u8], n: usize) -> Vec<u8> {
+        let mut out = vec![0u8; n * dtype.size()];
+        decode_chunks(dtype, enc, n, |s, b| {
+            out[s..s + b.len()].copy_from_slice(b);
+            Ok(())
+        })
+        .expect("decode");
+        out
+    }
+
+    #[test]
+    fn the_configured_zstd_level_is_the_one_used() {
+        let src = sparse(50_000);
+        for level in [1, 3, 19] {
+            let mut enc = Vec::new();
+            encode_at(level, DType::U8, &src, &mut enc).expect("encode");
+            let header = u32::from_le_bytes([enc[0], enc[1], enc[2], enc[3]]);
+            assert_ne!(
+                header & ZSTD_FLAG,
+                0,
+                "level {level}: plane not given to zstd"
+            );
+            let want = zstd::bulk::compress(&src, level).expect("zstd");
+            assert_eq!(&enc[4..], &want[..], "level {level}");
+            // The decoder needs no level: ranks configured differently still agree.
+            assert_eq!(decode_all(DType::U8, &enc, src.len()), src);
+        }
+    }
+
+    #[test]
+    fn no_entropy_stage_stores_every_plane_raw() {
+        let src: Vec<u8> = sparse(40_000);
+        let mut enc = Vec::new();
+        encode_at(NO_ENTROPY, DType::F32, &src, &mut enc).expect("encode");
+        let n = src.len() / 4;
+        assert_eq!(
+            enc.len(),
+            src.len() + 4 * 4,
+            "4 raw planes with their headers"
+        );
+        for p in 0..4 {
+            let h = &enc[p * (n + 4)..p * (n + 4) + 4];
+            assert_eq!(u32::from_le_bytes([h[0], h[1], h[2], h[3]]), n as u32);
+        }
+        assert_eq!(decode_all(DType::F32, &enc, n), src);
+        // And a default-level encoder's output decodes on the same decoder.
+        let mut z = Vec::new();
+        encode_at(1, DType::F32, &src, &mut z).expect("encode");
+        assert!(z.len() < enc.len());
+        assert_eq!(decode_all(DType::F32, &z, n), src);
     }
 
     #[test]

@@ -27,6 +27,7 @@ mod int8;
 mod lossless;
 
 pub use feedback::ErrorFeedback;
+pub use lossless::Compression;
 
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};

@@ -88,6 +88,7 @@ impl MemberClient {
             None,
             alpn(),
             16,
+            &Default::default(),
         )?;
         let c = MemberClient {
             inner: Arc::new(Inner {

@@ -83,7 +83,16 @@ impl CoordinatorServer {
                 cfg.dead_after
             )));
         }
-        let b = endpoint::control_endpoint(bind, secret, true, CONN_IDLE, None, alpn(), 1 << 16)?;
+        let b = endpoint::control_endpoint(
+            bind,
+            secret,
+            true,
+            CONN_IDLE,
+            None,
+            alpn(),
+            1 << 16,
+            &Default::default(),
+        )?;
         let addr = b.endpoint.local_addr()?;
         // Tethers: TCP on the same port number. Without it (the TCP port is taken) a dead
         // process is found by heartbeat silence only.

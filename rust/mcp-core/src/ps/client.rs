@@ -16,6 +16,7 @@ use super::proto::{ErrorCode, Reply, Request};
 use super::shard::{ServerList, ShardMap};
 use crate::backoff::Backoff;
 use crate::buffer::RawBuf;
+use crate::config::TransportSettings;
 use crate::error::{Error, Result};
 use crate::transport::quic::chaos::{ChaosConfig, ChaosStats};
 use crate::transport::quic::{endpoint, map_conn_error, tls};
@@ -49,6 +50,9 @@ pub struct ClientConfig {
     pub split_above: u64,
     /// Faults to inject under QUIC.
     pub chaos: Option<ChaosConfig>,
+    /// The transport config (stream limit, MTU, ping interval; its `compression` is
+    /// installed by whoever parsed it).
+    pub transport: TransportSettings,
 }
 
 /// What one server told us about the clocks.
@@ -119,6 +123,7 @@ impl PsClient {
             false,
             cfg.dead_after,
             cfg.chaos,
+            &cfg.transport,
         )?;
         let c = Arc::new(PsClient {
             list: Mutex::new(ServerList::new(cfg.servers.clone())),

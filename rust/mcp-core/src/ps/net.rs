@@ -71,6 +71,7 @@ pub(crate) const MAX_DATA: u64 = 1 << 30;
 /// Requests in flight per connection.
 const MAX_STREAMS: u32 = 4096;
 
+use crate::config::TransportSettings;
 pub(crate) use crate::transport::quic::endpoint::ControlEndpoint as Bound;
 
 /// Binds `addr` and makes an endpoint that accepts connections when `serve`. A connection
@@ -81,8 +82,18 @@ pub(crate) fn bind(
     serve: bool,
     dead_after: Duration,
     chaos: Option<ChaosConfig>,
+    tune: &TransportSettings,
 ) -> Result<Bound> {
-    endpoint::control_endpoint(addr, secret, serve, dead_after, chaos, alpn(), MAX_STREAMS)
+    endpoint::control_endpoint(
+        addr,
+        secret,
+        serve,
+        dead_after,
+        chaos,
+        alpn(),
+        MAX_STREAMS,
+        tune,
+    )
 }
 
 /// The header and metadata of a message; the data section is still on the stream.

@@ -11,6 +11,7 @@ use super::net::{self, Head};
 use super::optim::Optimizer;
 use super::proto::{ErrorCode, Reply, Request};
 use super::store::{Aggregate, Piece, PieceId, Store};
+use crate::config::TransportSettings;
 use crate::error::{Error, Result};
 use crate::transport::quic::chaos::{ChaosConfig, ChaosStats};
 use crate::transport::quic::{close_code, endpoint};
@@ -45,6 +46,9 @@ pub struct ServerConfig {
     pub register_timeout: Duration,
     /// Faults to inject under QUIC.
     pub chaos: Option<ChaosConfig>,
+    /// The transport config (stream limit, MTU, ping interval; its `compression` is
+    /// installed by whoever parsed it).
+    pub transport: TransportSettings,
 }
 
 impl ServerConfig {
@@ -61,6 +65,7 @@ impl ServerConfig {
             dead_after: Duration::from_secs(5),
             register_timeout: Duration::from_secs(300),
             chaos: None,
+            transport: TransportSettings::default(),
         }
     }
 }
@@ -122,7 +127,14 @@ impl PsServer {
                 "num_workers must be at least 1".into(),
             ));
         }
-        let b = net::bind(cfg.bind, &cfg.secret, true, cfg.dead_after, cfg.chaos)?;
+        let b = net::bind(
+            cfg.bind,
+            &cfg.secret,
+            true,
+            cfg.dead_after,
+            cfg.chaos,
+            &cfg.transport,
+        )?;
         let inner = Arc::new(Inner {
             store: Mutex::new(Store::new(cfg.optimizer, cfg.aggregate, cfg.staleness)),
             changed: watch::channel(0).0,

@@ -931,6 +931,31 @@ mod tests {
     }
 
     #[test]
+    fn the_configs_fec_group_size_is_the_block_size() {
+        use crate::config::{ConfigValue, TransportSettings};
+        let v = ConfigValue::Int(8);
+        let s = TransportSettings::parse([("fec_group_size", &v)]).expect("config");
+        let mut cfg = super::super::QuicConfig::new(0, 1, "127.0.0.1:1".parse().expect("addr"));
+        s.apply(&mut cfg);
+        // 1 MiB over 1,200-byte datagrams: blocks of 8 data shards (114 by default).
+        let (k, dg) = block_shape(1 << 20, 1200, cfg.bulk).expect("shape");
+        assert_eq!(k, 8);
+        let plan = TransferPlan::new(1, 1 << 20, k, dg).expect("plan");
+        let blocks = plan.n_blocks() as usize;
+        assert!(blocks * 8 * (dg - HEADER_LEN) >= 1 << 20, "{blocks} blocks");
+        assert!(
+            (blocks - 1) * 8 * (dg - HEADER_LEN) < 1 << 20,
+            "{blocks} blocks"
+        );
+        assert_eq!(
+            block_shape(1 << 20, 1200, BulkConfig::default())
+                .expect("shape")
+                .0,
+            114
+        );
+    }
+
+    #[test]
     fn lane_names() {
         for l in [LanePolicy::Auto, LanePolicy::Stream, LanePolicy::Fec] {
             assert_eq!(LanePolicy::parse(l.name()), Some(l));

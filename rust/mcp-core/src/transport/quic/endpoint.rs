@@ -53,10 +53,11 @@ impl BoundSocket {
 
 pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportConfig> {
     let mut t = TransportConfig::default();
-    t.max_concurrent_uni_streams(VarInt::from_u32(16_384));
+    t.max_concurrent_uni_streams(VarInt::from_u32(cfg.max_streams));
     // Each stream-lane frame holds a bidirectional stream until its verdict, each FEC-lane
     // transfer until the receiver has it all: as many in flight as unidirectional ones.
-    t.max_concurrent_bidi_streams(VarInt::from_u32(16_384));
+    // At the limit `open_bi` waits for one to finish: a low limit slows sends, never fails.
+    t.max_concurrent_bidi_streams(VarInt::from_u32(cfg.max_streams));
     // Streams in the order they were opened, not round-robin: a collective consumes its
     // chunks in order, so the first chunk done first starts its reduction and forwarding
     // while the rest arrive; round-robin would finish every chunk at once, at the end.
@@ -104,6 +105,15 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<T
         t.initial_mtu(LOOPBACK_MTU);
         t.min_mtu(LOOPBACK_MIN_MTU);
         t.enable_segmentation_offload(false);
+    }
+    if let Some(m) = cfg.mtu {
+        // A fixed size the path is known to carry (1440 inside containers): start there,
+        // never fall below it, and let discovery probe no higher.
+        let mut d = quinn::MtuDiscoveryConfig::default();
+        d.upper_bound(m);
+        t.mtu_discovery_config(Some(d));
+        t.initial_mtu(m);
+        t.min_mtu(m);
     }
     Ok(t)
 }
@@ -256,7 +266,9 @@ pub(crate) struct ControlEndpoint {
 /// Binds `addr` for a request/answer protocol with the job's mutual TLS and ALPN `alpn`,
 /// accepting connections when `serve`, with up to `max_streams` requests in flight per
 /// connection. A connection silent for `dead_after` is closed (QUIC pings every quarter of
-/// it keep live ones open).
+/// it keep live ones open). `tune` (the transport config) may set the stream limit, the
+/// MTU and a shorter ping interval.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn control_endpoint(
     addr: SocketAddr,
     secret: &[u8],
@@ -265,12 +277,18 @@ pub(crate) fn control_endpoint(
     chaos: Option<super::chaos::ChaosConfig>,
     alpn: Vec<u8>,
     max_streams: u32,
+    tune: &crate::config::TransportSettings,
 ) -> Result<ControlEndpoint> {
     let id = Identity::from_secret(secret)?;
     let sock = bind_socket(addr, false)?;
     let mut qc = QuicConfig::new(0, 1, addr);
     qc.idle_timeout = dead_after;
     qc.heartbeat = dead_after / 4;
+    qc.mtu = tune.mtu;
+    if let Some(h) = tune.heartbeat_interval {
+        qc.heartbeat = h;
+    }
+    let max_streams = tune.max_streams.unwrap_or(max_streams);
     let transport = || -> Result<Arc<TransportConfig>> {
         let mut t = transport_config(&qc, &sock)?;
         t.max_concurrent_bidi_streams(VarInt::from_u32(max_streams));
@@ -332,5 +350,74 @@ pub(crate) async fn accept_authenticated<T, F, Fut>(
             }
             serve(ctx, conn).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TransportSettings;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+
+    /// One poll of `f`: whether it is ready now.
+    fn ready_now<F: Future>(f: F) -> bool {
+        let mut f = pin!(f);
+        matches!(
+            f.as_mut().poll(&mut Context::from_waker(Waker::noop())),
+            Poll::Ready(_)
+        )
+    }
+
+    #[tokio::test]
+    async fn max_streams_bounds_the_streams_open_at_once_and_a_send_waits_for_one() {
+        let tune = TransportSettings {
+            max_streams: Some(2),
+            ..TransportSettings::default()
+        };
+        let (secret, alpn) = ([7u8; 32], b"mcp-test".to_vec());
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let dead = Duration::from_secs(10);
+        let server = control_endpoint(any, &secret, true, dead, None, alpn.clone(), 99, &tune)
+            .expect("server");
+        let client =
+            control_endpoint(any, &secret, false, dead, None, alpn, 99, &tune).expect("client");
+        let addr = server.endpoint.local_addr().expect("bound");
+        let connecting = client
+            .endpoint
+            .connect_with(client.client.clone(), addr, super::super::tls::SERVER_NAME)
+            .expect("connect");
+        // The server side must accept for the handshake to go on.
+        let accepting = async {
+            let incoming = server.endpoint.accept().await.expect("incoming");
+            incoming.await.expect("accepted")
+        };
+        let (conn, peer) = tokio::join!(connecting, accepting);
+        let conn = conn.expect("handshake");
+        let mut open = Vec::new();
+        for i in 0..2u8 {
+            let (mut s, _r) = conn.open_bi().await.expect("within the limit");
+            s.write_all(&[i]).await.expect("write");
+            open.push(s);
+        }
+        // The limit is the peer's transport parameter: a third stream cannot open yet.
+        assert!(
+            !ready_now(conn.open_bi()),
+            "a third stream opened past max_streams=2"
+        );
+        // The peer takes the first stream and both sides finish it: its credit comes back
+        // and the waiting open goes through.
+        let (mut ps, mut pr) = peer.accept_bi().await.expect("first stream");
+        let mut b = [0u8; 1];
+        pr.read_exact(&mut b).await.expect("read");
+        assert_eq!(b, [0]);
+        let mut first = open.remove(0);
+        first.finish().expect("finish");
+        ps.finish().expect("finish");
+        pr.read_to_end(16).await.expect("end");
+        drop((ps, pr));
+        let third = tokio::time::timeout(Duration::from_secs(10), conn.open_bi()).await;
+        assert!(matches!(third, Ok(Ok(_))), "the third stream never opened");
     }
 }

@@ -64,6 +64,9 @@ pub const MAX_FRAME_PAYLOAD: u64 = 1 << 30;
 /// are sent in the order they were opened (`send_fairness(false)`).
 pub(crate) const CONTROL_PRIORITY: i32 = 1;
 
+/// [`QuicConfig::max_streams`] by default.
+pub const DEFAULT_MAX_STREAMS: u32 = 16_384;
+
 /// How to set up the QUIC transport of one process.
 #[derive(Debug, Clone)]
 pub struct QuicConfig {
@@ -118,6 +121,15 @@ pub struct QuicConfig {
     /// This process's host identity; `None` computes it (`MCP_HOST_ID`, else host name,
     /// network namespace and boot id: see [`host`](crate::transport::host)).
     pub host_id: Option<String>,
+    /// QUIC's concurrent stream limits per connection, each kind (default 16,384). Each
+    /// stream-lane frame holds a bidirectional stream until its verdict and each FEC-lane
+    /// transfer one until the receiver has it: at the limit, the next send waits for a
+    /// stream to finish (it does not fail), so a low value slows sends down.
+    pub max_streams: u32,
+    /// A fixed datagram size for the path: quinn's initial and minimum MTU and the MTU
+    /// discovery's upper bound (e.g. 1440 inside containers). `None` (the default) discovers
+    /// the path MTU.
+    pub mtu: Option<u16>,
 }
 
 /// `MCP_SHM`: anything but `0` (or unset) leaves shared memory on.
@@ -157,6 +169,8 @@ impl QuicConfig {
             shm: shm_from_env(),
             shm_ring_bytes: ring_bytes_from_env(),
             host_id: None,
+            max_streams: DEFAULT_MAX_STREAMS,
+            mtu: None,
         }
     }
 }
