@@ -8,5 +8,5 @@
 pub mod forward;
 pub mod link;
 
-pub use forward::{forward, ForwardStats};
+pub use forward::{forward, seconds, ForwardStats};
 pub use link::{Link, LinkParams, LinkStats, Verdict};
