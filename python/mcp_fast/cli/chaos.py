@@ -36,10 +36,11 @@ reordering: a packet never overtakes the one before it), drop probability ``--lo
 ``--rate`` as a serialising link whose queue holds at most ``--queue`` of waiting (a packet
 that would wait longer is dropped). ``--seed`` seeds loss and jitter. TCP, UDP and QUIC all
 see the same path. Each CMD gets ``MCP_CHAOS_HOST`` (0 or 1), ``MCP_CHAOS_ADDRS``
-(``10.201.0.1,10.201.0.2``) and ``MCP_CHAOS_ADDR`` (its own address); for torchrun use
-``--master-addr 10.201.0.1 --node-rank $MCP_CHAOS_HOST``. The forwarder's counters are printed
-on stderr at the end. Exit status: the first non-zero status of the two, as below; when one
-fails the other is given ``--grace`` seconds (10) before it is killed.
+(``10.201.0.1,10.201.0.2``), ``MCP_CHAOS_ADDR`` (its own address) and ``MCP_CHAOS_IFNAME``
+(its TUN, for ``GLOO_SOCKET_IFNAME``); for torchrun use ``--master-addr 10.201.0.1
+--node-rank $MCP_CHAOS_HOST``. The forwarder's counters are printed on stderr at the end.
+Exit status: the first non-zero status of the two, as below; when one fails the other is
+given ``--grace`` seconds (10) before it is killed.
 
 Exit status: CMD's own, or 128+N when it was ended by signal N (as a shell reports it);
 124 when ``--timeout`` expired; 2 when mcp-chaos itself could not run (not root, ``ip``,
@@ -458,6 +459,7 @@ def _chaos_hosts(args: argparse.Namespace, cmd: list[str]) -> int:
                 MCP_CHAOS_HOST=str(i),
                 MCP_CHAOS_ADDRS=",".join(HOST_ADDRS),
                 MCP_CHAOS_ADDR=HOST_ADDRS[i],
+                MCP_CHAOS_IFNAME=tuns[i],
             )
             try:
                 children.append(

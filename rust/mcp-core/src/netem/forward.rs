@@ -188,6 +188,7 @@ pub fn seconds(what: &str, s: f64) -> Result<Duration, Error> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a test's unwrap is its assertion
 mod tests {
     use super::*;
 

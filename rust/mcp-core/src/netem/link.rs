@@ -199,6 +199,7 @@ enum Jitter {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a test's unwrap is its assertion
 mod tests {
     use super::*;
 
