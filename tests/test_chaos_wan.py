@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -115,6 +117,13 @@ def _left_behind(pid: int) -> list[str]:
     return [w for w in (ns + links).split() if f"mcpchaos-{pid}-" in w or f"mcpw{pid}" in w]
 
 
+def _pids(pid: int, host: int) -> list[str]:
+    ns = f"mcpchaos-{pid}-{host}"
+    return subprocess.run(
+        ["ip", "netns", "pids", ns], capture_output=True, text=True
+    ).stdout.split()
+
+
 @wan
 def test_tcp_and_udp_round_trips_take_at_least_two_delays_and_nothing_is_left() -> None:
     r, pid = _hosts("--delay", "25ms", "--jitter", "5ms", "--seed", "3", mode="rtt")
@@ -179,3 +188,23 @@ def test_bad_forwarder_parameters_are_value_errors() -> None:
         _core.netem_forward(-1, -1, -1, delay_s=0.001, jitter_s=0.002)
     with pytest.raises(ValueError, match="delay_s"):
         _core.netem_forward(-1, -1, -1, delay_s=-1.0)
+
+
+@wan
+def test_a_terminated_run_removes_both_hosts() -> None:
+    with subprocess.Popen(
+        [*_CLI, "--delay", "1ms", "--", "sleep", "30"], stderr=subprocess.PIPE
+    ) as p:
+        try:
+            deadline = time.monotonic() + 20
+            # Both CMDs started (a signal during setup is an interrupt, exit 130).
+            while not all(_pids(p.pid, i) for i in (0, 1)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert all(_pids(p.pid, i) for i in (0, 1))
+            p.send_signal(signal.SIGTERM)
+            p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    assert p.returncode == 128 + signal.SIGTERM
+    assert _left_behind(p.pid) == []
