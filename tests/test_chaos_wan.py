@@ -124,6 +124,7 @@ def _pids(pid: int, host: int) -> list[str]:
     ).stdout.split()
 
 
+@pytest.mark.netns
 @wan
 def test_tcp_and_udp_round_trips_take_at_least_two_delays_and_nothing_is_left() -> None:
     r, pid = _hosts("--delay", "25ms", "--jitter", "5ms", "--seed", "3", mode="rtt")
@@ -135,6 +136,7 @@ def test_tcp_and_udp_round_trips_take_at_least_two_delays_and_nothing_is_left() 
     assert _left_behind(pid) == []
 
 
+@pytest.mark.netns
 @wan
 def test_loss_drops_about_the_asked_fraction_of_datagrams() -> None:
     r, pid = _hosts("--loss", "0.2", "--seed", "5", mode="loss")
@@ -145,6 +147,7 @@ def test_loss_drops_about_the_asked_fraction_of_datagrams() -> None:
     assert _left_behind(pid) == []
 
 
+@pytest.mark.netns
 @wan
 def test_a_failing_host_fails_the_run_and_nothing_is_left() -> None:
     script = "import os, sys; sys.exit(3) if os.environ['MCP_CHAOS_HOST'] == '1' else None"
@@ -190,6 +193,7 @@ def test_bad_forwarder_parameters_are_value_errors() -> None:
         _core.netem_forward(-1, -1, -1, delay_s=-1.0)
 
 
+@pytest.mark.netns
 @wan
 def test_a_terminated_run_removes_both_hosts() -> None:
     with subprocess.Popen(
