@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 /// Most packets one direction holds in flight; beyond it a packet is dropped as overflow, so
 /// memory stays bounded whatever the parameters.
 const MAX_IN_FLIGHT: usize = 1 << 17;
+/// Longest delay or queue limit taken: an hour is no network, and it keeps `Instant`
+/// arithmetic far from overflow.
+const MAX_WAIT: Duration = Duration::from_secs(3600);
 
 /// The behaviour of one direction of the path.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +59,12 @@ impl LinkParams {
             return Err(Error::InvalidArgument(format!(
                 "loss must be between 0 and 1, got {}",
                 self.loss
+            )));
+        }
+        if self.delay > MAX_WAIT || self.queue_limit > MAX_WAIT {
+            return Err(Error::InvalidArgument(format!(
+                "delay ({:?}) and queue limit ({:?}) must be at most an hour",
+                self.delay, self.queue_limit
             )));
         }
         if self.jitter > self.delay {
