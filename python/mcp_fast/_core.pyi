@@ -13,6 +13,18 @@ __version__: str
 
 def reduce_into(dst_ptr: int, src_ptr: int, nbytes: int, dtype: str, op: str) -> None: ...
 def codec_round_trip(ptr: int, nbytes: int, dtype: str, codec: str, block: int = 256) -> None: ...
+def netem_forward(
+    fd_a: int,
+    fd_b: int,
+    stop_fd: int,
+    *,
+    delay_s: float = 0.0,
+    jitter_s: float = 0.0,
+    loss: float = 0.0,
+    rate_bit_s: float | None = None,
+    queue_s: float = 0.05,
+    seed: int = 0,
+) -> dict[str, Any]: ...
 def sim_all_reduce(
     world: int,
     algorithm: str,
