@@ -606,6 +606,7 @@ def init(
     shm: bool | None = None,
     host_id: str | None = None,
     config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    model_spec: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     _protocol_major: int | None = None,
 ) -> Group:
     """Join a job and return its :class:`Group`.
@@ -645,6 +646,11 @@ def init(
     "compression": "zstd@L3", "heartbeat_interval": 5000, "mtu": 1440}``; an unknown key or
     bad value is a ``ValueError`` naming it (see docs/configuration.md). Explicit arguments
     win over it, and it wins over the environment.
+    ``model_spec`` (default: ``MCP_MODEL_SPEC``, JSON text or a JSON/TOML file) declares the
+    model this rank runs, as the documents' Model-Spec: ``{"arch": "GPT-3", "precision":
+    "bfloat16", "io_schema": {"input": ["token_ids:int32[bsz,seq]"], "output": [...]}}``.
+    When two ranks declare different models (or one declares none), the rendezvous fails on
+    every rank with ``SpecMismatchError`` naming both (see docs/configuration.md).
     Every argument left ``None`` comes from the environment (see :mod:`mcp_fast.settings`).
     """
     rank = rank if rank is not None else env_int("RANK")
@@ -671,6 +677,7 @@ def init(
         allow_generated_secret=allow_generated_secret,
         zero_rtt=zero_rtt,
         config=config,
+        model_spec=model_spec,
     )
     core = _core.ProcessGroup(
         rank,

@@ -23,6 +23,9 @@ and the parameter server all take their settings from here, so that ``MCP_CHAOS`
   path of a JSON or TOML file holding one: ``max_streams``, ``fec_group_size``,
   ``compression`` (``"none"``, ``"zstd"``, ``"zstd@L3"``), ``heartbeat_interval``
   (milliseconds) and ``mtu`` (see docs/configuration.md).
+- ``MCP_MODEL_SPEC`` / ``model_spec``: the model this rank declares, the documents'
+  Model-Spec (``{"arch": ..., "precision": ..., "io_schema": {...}}``), as JSON text or the
+  path of a JSON or TOML file; the rendezvous refuses ranks that declare different ones.
 
 Precedence: an explicit keyword argument, then the config (``config=``, else the file
 ``MCP_CONFIG`` names), then the other environment variables, then the defaults. The one key
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Settings", "env_float", "env_int", "load_config"]
+__all__ = ["Settings", "env_float", "env_int", "load_config", "load_model_spec"]
 
 
 def _env(name: str, parse: Any, what: str) -> Any:
@@ -64,6 +67,23 @@ def env_int(name: str) -> int | None:
     return _env(name, int, "an integer")
 
 
+def _load_table(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"{what} file {str(path)!r} cannot be read: {e}") from None
+    try:
+        loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise ValueError(f"{what} file {str(path)!r} is not valid {kind}: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"{what} file {str(path)!r} must hold a table of keys, got {type(loaded).__name__}"
+        )
+    return loaded
+
+
 def load_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     """The transport config: ``config`` itself when it is a mapping, else the JSON or TOML
     file it names (by its suffix: ``.toml`` is TOML, anything else JSON), else the file
@@ -74,22 +94,30 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> di
             return {}
     if isinstance(config, Mapping):
         return dict(config)
-    path = Path(config)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"transport config file {str(path)!r} cannot be read: {e}") from None
-    try:
-        loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as e:
-        kind = "TOML" if path.suffix == ".toml" else "JSON"
-        raise ValueError(f"transport config file {str(path)!r} is not valid {kind}: {e}") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(
-            f"transport config file {str(path)!r} must hold a table of keys, "
-            f"got {type(loaded).__name__}"
-        )
-    return loaded
+    return _load_table(Path(config), "transport config")
+
+
+def load_model_spec(
+    spec: Mapping[str, Any] | str | os.PathLike[str] | None,
+) -> dict[str, Any] | None:
+    """The declared model: ``spec`` itself when it is a mapping, else JSON text (starting
+    with ``{``) or the JSON or TOML file it names, else the same read from
+    ``MCP_MODEL_SPEC``, else ``None``. The keys and values are checked by the core."""
+    if spec is None:
+        spec = os.environ.get("MCP_MODEL_SPEC") or None
+        if spec is None:
+            return None
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    if isinstance(spec, str) and spec.lstrip().startswith("{"):
+        try:
+            loaded = json.loads(spec)
+        except ValueError as e:
+            raise ValueError(f"model_spec {spec!r} is not valid JSON: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"model_spec {spec!r} must be a JSON object")
+        return loaded
+    return _load_table(Path(spec), "model_spec")
 
 
 def _first(*values: Any) -> Any:
@@ -112,6 +140,7 @@ class Settings:
     allow_generated_secret: bool
     zero_rtt: bool
     config: dict[str, Any] = field(default_factory=dict)
+    model_spec: dict[str, Any] | None = None
 
     @classmethod
     def resolve(
@@ -129,6 +158,7 @@ class Settings:
         allow_generated_secret: bool | None = None,
         zero_rtt: bool | None = None,
         config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        model_spec: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     ) -> Settings:
         """The settings for the given arguments; those left ``None`` come from the
         config, then the environment, then the defaults. ``heartbeat`` is ``None`` when the
@@ -156,6 +186,7 @@ class Settings:
             ),
             zero_rtt=bool(_first(zero_rtt, env_int("MCP_ZERO_RTT"), 1)),
             config=cfg,
+            model_spec=load_model_spec(model_spec),
         )
 
     def core_kwargs(self) -> dict[str, Any]:
@@ -173,4 +204,5 @@ class Settings:
             "allow_generated_secret": self.allow_generated_secret,
             "zero_rtt": self.zero_rtt,
             "config": self.config or None,
+            "model_spec": self.model_spec,
         }

@@ -20,6 +20,7 @@ pub mod fec;
 pub mod group;
 pub mod health;
 pub mod membership;
+pub mod model_decl;
 pub mod netem;
 pub mod ps;
 pub mod reduce;

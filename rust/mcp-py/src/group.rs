@@ -176,7 +176,8 @@ impl ProcessGroup {
                         small_bytes=65536, protocol_major=None, on_bound=None, chaos=None,
                         heartbeat=None, lane=None, resend_limit=8,
                         stall_timeout=60.0, allow_generated_secret=false, epoch_of=None,
-                        zero_rtt=true, shm=None, host_id=None, config=None))]
+                        zero_rtt=true, shm=None, host_id=None, config=None,
+                        model_spec=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -203,8 +204,10 @@ impl ProcessGroup {
         shm: Option<bool>,
         host_id: Option<String>,
         config: Option<&Bound<'_, pyo3::types::PyDict>>,
+        model_spec: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<ProcessGroup> {
         let tune = crate::config::settings(config)?;
+        let model_decl = crate::model_decl::canonical(model_spec)?;
         if world_size == 0 || rank >= world_size {
             return Err(PyValueError::new_err(format!(
                 "rank must be in [0, world_size); got rank={rank}, world_size={world_size}"
@@ -230,6 +233,7 @@ impl ProcessGroup {
             cfg.shm = on;
         }
         cfg.host_id = host_id;
+        cfg.model_decl = model_decl;
         if let Some(v) = protocol_major {
             cfg.protocol_major = v;
         }

@@ -7,6 +7,7 @@ mod elastic;
 mod errors;
 mod group;
 mod health;
+mod model_decl;
 mod netem;
 mod ps;
 mod runtime;

@@ -25,8 +25,9 @@ pub const PROTOCOL_MAJOR: u8 = 1;
 /// The protocol's minor version: peers must agree on it too (it is pinned at the handshake,
 /// as the design advises, since a minor version may frame data differently). 1: stream-lane
 /// frames with the receiver's verdict, and progress reports. 2: the rendezvous table carries
-/// each rank's host identity, pid and shared-memory flag.
-pub const PROTOCOL_MINOR: u8 = 2;
+/// each rank's host identity, pid and shared-memory flag. 3: and its declared model
+/// ([`model_decl`](crate::model_decl)).
+pub const PROTOCOL_MINOR: u8 = 3;
 
 /// What a frame is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -52,6 +52,8 @@ pub(crate) mod close_code {
     pub const PEER_SILENT: u32 = 0x4d07;
     /// The connection was dropped to be established again (a path reset): not a loss.
     pub const PATH_RESET: u32 = 0x4d08;
+    /// The rendezvous found ranks that declare different models; the reason names both.
+    pub const MODEL_MISMATCH: u32 = 0x4d09;
 }
 
 /// The progress watchdog's limit in intervals between operations (see `QuicConfig`).
@@ -121,6 +123,10 @@ pub struct QuicConfig {
     /// This process's host identity; `None` computes it (`MCP_HOST_ID`, else host name,
     /// network namespace and boot id: see [`host`](crate::transport::host)).
     pub host_id: Option<String>,
+    /// The model this rank declares, in its canonical text
+    /// ([`ModelDecl::canonical`](crate::model_decl::ModelDecl::canonical)); the rendezvous
+    /// refuses the job on every rank when two ranks' declarations differ (default none).
+    pub model_decl: Option<String>,
     /// QUIC's concurrent stream limits per connection, each kind (default 16,384). Each
     /// stream-lane frame holds a bidirectional stream until its verdict and each FEC-lane
     /// transfer one until the receiver has it: at the limit, the next send waits for a
@@ -169,6 +175,7 @@ impl QuicConfig {
             shm: shm_from_env(),
             shm_ring_bytes: ring_bytes_from_env(),
             host_id: None,
+            model_decl: None,
             max_streams: DEFAULT_MAX_STREAMS,
             mtu: None,
         }
@@ -413,10 +420,12 @@ impl QuicTransport {
             if let Some((task, _)) = shm_accepts {
                 task.abort();
             }
-            t.endpoint.close(
-                VarInt::from_u32(close_code::RENDEZVOUS_FAILED),
-                e.to_string().as_bytes(),
-            );
+            // The others learn why, also those that have not read the table yet.
+            let (code, reason) = match &e {
+                Error::SpecMismatch(m) => (close_code::MODEL_MISMATCH, m.clone()),
+                other => (close_code::RENDEZVOUS_FAILED, other.to_string()),
+            };
+            t.endpoint.close(VarInt::from_u32(code), reason.as_bytes());
             return Err(e);
         }
         local::setup(&t, shm_accepts).await;
@@ -1102,6 +1111,7 @@ pub(crate) fn map_conn_error(e: &ConnectionError, peer: usize, who: &str, op: &s
                     peer: who.to_string(),
                 },
                 x if x == close_code::REFUSED as u64 => Error::InvalidArgument(format!("rendezvous refused this process: {reason}")),
+                x if x == close_code::MODEL_MISMATCH as u64 => Error::SpecMismatch(reason),
                 x if x == close_code::RENDEZVOUS_FAILED as u64 => Error::Timeout {
                     what: format!("rank 0 gave up on the rendezvous: {reason}"),
                     after: Duration::ZERO,

@@ -49,12 +49,14 @@ pub(super) fn hello_frame(t: &QuicTransport) -> Result<(Header, Vec<u8>)> {
         host: t.host_id.clone(),
         pid: std::process::id(),
         shm: t.shm_wanted(),
+        model: t.cfg.model_decl.clone(),
     };
     let payload = entry.to_line().into_bytes();
     Ok((control_header(t, FrameKind::Hello, &payload), payload))
 }
 
-/// One rank's line of the rendezvous table: `<addr> <host id> <pid> <shm 0|1>`.
+/// One rank's line of the rendezvous table: `<addr> <host id> <pid> <shm 0|1> <model>`, the
+/// model as the hex of its declaration's canonical text, `-` for none.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Entry {
     /// Where the rank's endpoint listens.
@@ -65,28 +67,49 @@ pub(super) struct Entry {
     pub(super) pid: u32,
     /// Whether it takes shared memory with the ranks of its host.
     pub(super) shm: bool,
+    /// The model it declares (canonical text), if any.
+    pub(super) model: Option<String>,
+}
+
+/// The longest declaration the table carries, in bytes of canonical text.
+const MAX_MODEL_TEXT: usize = 64 * 1024;
+
+fn hex(text: &str) -> String {
+    text.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(h: &str) -> Option<String> {
+    if !h.len().is_multiple_of(2) || h.len() > 2 * MAX_MODEL_TEXT {
+        return None;
+    }
+    let bytes = (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    String::from_utf8(bytes).ok()
 }
 
 impl Entry {
     pub(super) fn to_line(&self) -> String {
         format!(
-            "{} {} {} {}",
+            "{} {} {} {} {}",
             self.addr,
             self.host,
             self.pid,
-            u8::from(self.shm)
+            u8::from(self.shm),
+            self.model.as_deref().map_or_else(|| "-".to_string(), hex)
         )
     }
 
     pub(super) fn parse(rank: usize, line: &str) -> Result<Entry> {
         let bad = || {
             Error::Protocol(format!(
-                "rank {rank}'s rendezvous entry {line:?} is not `<address> <host id> <pid> <shm>`"
+                "rank {rank}'s rendezvous entry {line:?} is not `<address> <host id> <pid> <shm> <model>`"
             ))
         };
         let mut f = line.split(' ');
-        let (Some(a), Some(h), Some(p), Some(s), None) =
-            (f.next(), f.next(), f.next(), f.next(), f.next())
+        let (Some(a), Some(h), Some(p), Some(s), Some(m), None) =
+            (f.next(), f.next(), f.next(), f.next(), f.next(), f.next())
         else {
             return Err(bad());
         };
@@ -104,6 +127,10 @@ impl Entry {
                 "0" => false,
                 "1" => true,
                 _ => return Err(bad()),
+            },
+            model: match m {
+                "-" => None,
+                h => Some(unhex(h).ok_or_else(bad)?),
             },
         })
     }
@@ -199,6 +226,8 @@ fn store_table(t: &QuicTransport, lines: &[String]) -> Result<()> {
         .enumerate()
         .map(|(r, l)| Entry::parse(r, l))
         .collect::<Result<Vec<Entry>>>()?;
+    let models: Vec<Option<String>> = entries.iter().map(|e| e.model.clone()).collect();
+    crate::model_decl::check_same(&models)?;
     *t.addrs.lock().unwrap_or_else(|p| p.into_inner()) =
         entries.iter().map(|e| Some(e.addr)).collect();
     t.set_topology(&entries);
@@ -285,17 +314,26 @@ mod tests {
             host: "node/netns:4026531840/boot:abc".into(),
             pid: 4242,
             shm: true,
+            model: None,
         };
         assert_eq!(Entry::parse(3, &e.to_line()).expect("parse"), e);
+        let m = Entry {
+            model: Some("arch \"GPT-3\", precision bfloat16, input [x:int32[b, s]]".into()),
+            ..e.clone()
+        };
+        assert_eq!(Entry::parse(3, &m.to_line()).expect("parse"), m);
         for bad in [
             "",
             "10.0.0.2:4000",
-            "10.0.0.2:4000 h 12",
-            "10.0.0.2:4000 h 12 1 extra",
-            "nonsense h 12 1",
-            "10.0.0.2:4000 h pid 1",
-            "10.0.0.2:4000 h 12 2",
-            "10.0.0.2:4000  12 1",
+            "10.0.0.2:4000 h 12 1",
+            "10.0.0.2:4000 h 12 1 - extra",
+            "nonsense h 12 1 -",
+            "10.0.0.2:4000 h pid 1 -",
+            "10.0.0.2:4000 h 12 2 -",
+            "10.0.0.2:4000  12 1 -",
+            "10.0.0.2:4000 h 12 1 abc",
+            "10.0.0.2:4000 h 12 1 zz",
+            "10.0.0.2:4000 h 12 1 ff",
         ] {
             assert!(
                 matches!(Entry::parse(1, bad), Err(Error::Protocol(_))),
