@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +89,121 @@ def test_the_cli_refuses_bad_settings(capsys: pytest.CaptureFixture[str]) -> Non
         sim.main(["--help"])
     assert e.value.code == 0
     assert "--preset" in capsys.readouterr().out
+
+
+# --- mcp-sim validate: the simulator against the benchmarks' measurements ----------------
+
+DATA = Path(__file__).resolve().parents[1] / "docs" / "data"
+
+
+def test_an_overhead_per_frame_delays_a_single_exchange_by_exactly_itself() -> None:
+    kw: dict[str, Any] = {"inter_gbps": 3.2, "inter_rtt_s": 28e-6}
+    plain = _core.sim_all_reduce(2, "auto", 4096.0, **kw)
+    slow = _core.sim_all_reduce(2, "auto", 4096.0, inter_overhead_s=150e-6, **kw)
+    assert plain["algorithm"] == slow["algorithm"] == "recursive_doubling"
+    assert slow["elapsed_s"] - plain["elapsed_s"] == pytest.approx(150e-6, abs=1e-9)
+    big = _core.sim_all_reduce(4, "auto", 1 << 20, ranks_per_host=2, **kw)
+    assert big["algorithm"] == "hierarchical" and big["exact"]
+    with pytest.raises(ValueError):
+        _core.sim_all_reduce(2, "ring", 4096.0, inter_overhead_s=-1.0)
+
+
+def test_validate_predicts_every_measured_row_from_the_shipped_data() -> None:
+    v = sim.validate(DATA)
+    docs = {n: json.loads((DATA / f"{n}.json").read_text()) for n in sim.DATA_FILES}
+    want = [("hosts_clean", r["mcp_s"]) for r in docs["hosts_clean"]["rows"]]
+    want += [("hosts_1gbit", r["mcp_s"]) for r in docs["hosts_1gbit"]["rows"]]
+    want += [("loss", r["auto"]) for r in docs["loss"]["rows"]]
+    assert [(r.source, r.measured_s) for r in v.rows] == want
+    for r in v.rows:
+        assert math.isfinite(r.predicted_s) and r.predicted_s > 0, r
+        assert r.error == pytest.approx((r.predicted_s - r.measured_s) / r.measured_s)
+        assert r.within == (abs(r.error) <= sim.TOLERANCE)
+    # The algorithm a real group picks: recursive doubling up to 64 KiB, then the ring with
+    # one rank per host and the hierarchical all-reduce with two.
+    for r in v.rows:
+        if r.nbytes <= 64 << 10:
+            assert r.algorithm == "recursive_doubling", r
+        else:
+            assert r.algorithm == ("hierarchical" if r.ranks_per_host > 1 else "ring"), r
+    # Three rows lent a calibration figure; they are not counted as predictions.
+    fits = [r for r in v.rows if r.role == "fit"]
+    assert [(r.source, r.world, r.nbytes, r.loss) for r in fits] == [
+        ("hosts_clean", 2, 4096, 0.0),
+        ("loss", 2, 16 << 20, 0.0),
+        ("loss", 4, 16 << 20, 0.0),
+    ]
+    assert len(v.predictions()) == len(v.rows) - 3
+    assert v.within() == sum(r.within for r in v.predictions())
+
+
+def test_the_calibration_is_what_the_measurement_files_say() -> None:
+    v = sim.validate(DATA)
+    c = v.calibration
+    clean = json.loads((DATA / "hosts_clean.json").read_text())["meta"]
+    capped = json.loads((DATA / "hosts_1gbit.json").read_text())["meta"]
+    assert c.veth_gbps == clean["quic_both_ways_gbit_s"]
+    assert c.veth_rtt_s == clean["ping_median_s"]
+    assert c.veth_1g_gbps == capped["quic_both_ways_gbit_s"]
+    assert c.veth_1g_rtt_s == capped["ping_median_s"]
+    assert c.shm_gbps == sim.SHM_GBPS
+    # The overhead: the smallest row's measured time beyond the simulated one without it.
+    smallest = v.rows[0]
+    bare = _core.sim_all_reduce(
+        2, "auto", 4096.0, inter_gbps=c.veth_gbps, inter_rtt_s=c.veth_rtt_s
+    )["elapsed_s"]
+    assert c.overhead_s == pytest.approx(smallest.measured_s - bare, rel=1e-12)
+    # Every fitted row is reproduced by its own figure.
+    for r in v.rows:
+        if r.role == "fit":
+            assert r.predicted_s == pytest.approx(r.measured_s, rel=1e-3), r
+    assert sorted(c.loopback_gbps) == [2, 4]
+
+
+def test_validate_is_a_pure_function_of_its_data_and_seed() -> None:
+    a, b = sim.validate(DATA, seed=3), sim.validate(DATA, seed=3)
+    assert [r.predicted_s for r in a.rows] == [r.predicted_s for r in b.rows]
+    c = sim.validate(DATA, seed=4)
+    clean = [i for i, r in enumerate(a.rows) if r.loss == 0]
+    lossy = [i for i, r in enumerate(a.rows) if r.loss > 0]
+    assert all(a.rows[i].predicted_s == c.rows[i].predicted_s for i in clean)
+    assert any(a.rows[i].predicted_s != c.rows[i].predicted_s for i in lossy)
+
+
+def test_the_validate_command_prints_and_writes_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "v.json"
+    assert sim.main(["validate", "--data", str(DATA), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "software overhead per frame" in text and "predictions within 15%" in text
+    doc = json.loads(out.read_text())
+    assert len(doc["rows"]) == 34 and doc["predictions"] == 31
+    assert doc["within"] == sum(r["within"] for r in doc["rows"] if r["role"] == "prediction")
+
+
+def test_validate_refuses_a_missing_or_broken_data_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match="no measurement directory"):
+        sim.validate(tmp_path / "nowhere")
+    assert sim.main(["validate", "--data", str(tmp_path / "nowhere")]) == 2
+    assert "mcp-sim validate: error: no measurement directory" in capsys.readouterr().err
+    for name in ("hosts_clean", "hosts_1gbit"):
+        shutil.copy(DATA / f"{name}.json", tmp_path)
+    with pytest.raises(ValueError, match=r"loss\.json"):
+        sim.validate(tmp_path)
+    (tmp_path / "loss.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        sim.validate(tmp_path)
+    (tmp_path / "loss.json").write_text('{"rows": [1]}')
+    with pytest.raises(ValueError, match="no rows"):
+        sim.validate(tmp_path)
+    doc = json.loads((DATA / "hosts_clean.json").read_text())
+    del doc["meta"]["quic_both_ways_gbit_s"]
+    (tmp_path / "hosts_clean.json").write_text(json.dumps(doc))
+    shutil.copy(DATA / "loss.json", tmp_path)
+    with pytest.raises(ValueError, match="quic_both_ways_gbit_s"):
+        sim.validate(tmp_path)
+    with pytest.raises(ValueError, match="shm"):
+        sim.validate(DATA, shm_gbps=0.0)

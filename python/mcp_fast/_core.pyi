@@ -43,6 +43,8 @@ def sim_all_reduce(
     fail_rank: int | None = None,
     fail_at_s: float = 0.0,
     timeout_s: float = 86400.0,
+    intra_overhead_s: float = 0.0,
+    inter_overhead_s: float = 0.0,
 ) -> dict[str, Any]: ...
 
 @final

@@ -69,6 +69,17 @@ impl Algorithm {
             ))),
         }
     }
+
+    /// The name [`Algorithm::from_name`] reads (`"recursive_doubling"` for the latency one).
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Auto => "auto",
+            Algorithm::Ring => "ring",
+            Algorithm::Tree => "tree",
+            Algorithm::RecursiveDoubling => "recursive_doubling",
+            Algorithm::Hierarchical => "hierarchical",
+        }
+    }
 }
 
 /// The description of one tensor argument: where it is and what it holds.

@@ -18,13 +18,16 @@ fn secs(what: &str, s: f64) -> PyResult<Duration> {
 }
 
 /// Times one all-reduce of `nbytes` per rank (as float32 gradients) on a simulated network
-/// and returns what it took: virtual seconds, bytes per rank, frames, and whether the result
-/// was exact.
+/// and returns what it took: the algorithm that ran (`"auto"` resolved as a real group
+/// resolves it for that size), virtual seconds, bytes per rank, frames, and whether the
+/// result was exact. `intra_overhead_s` / `inter_overhead_s` add a fixed software time to
+/// every frame's arrival on that kind of link (default 0).
 #[pyfunction]
 #[pyo3(signature = (
     world, algorithm, nbytes, *, ranks_per_host=1, codec="none", block=256,
     intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0, inter_rtt_s=20e-6, loss=0.0,
-    seed=0, detect_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0
+    seed=0, detect_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0,
+    intra_overhead_s=0.0, inter_overhead_s=0.0
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn sim_all_reduce<'py>(
@@ -45,14 +48,18 @@ pub fn sim_all_reduce<'py>(
     fail_rank: Option<usize>,
     fail_at_s: f64,
     timeout_s: f64,
+    intra_overhead_s: f64,
+    inter_overhead_s: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let algorithm = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
     let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
     let topology = Topology {
         ranks_per_host,
-        intra: LinkSpec::new(secs("intra_rtt_s", intra_rtt_s)?, intra_gbps * 1e9 / 8.0),
+        intra: LinkSpec::new(secs("intra_rtt_s", intra_rtt_s)?, intra_gbps * 1e9 / 8.0)
+            .with_overhead(secs("intra_overhead_s", intra_overhead_s)?),
         inter: LinkSpec::new(secs("inter_rtt_s", inter_rtt_s)?, inter_gbps * 1e9 / 8.0)
-            .with_loss(loss),
+            .with_loss(loss)
+            .with_overhead(secs("inter_overhead_s", inter_overhead_s)?),
     };
     let mut cfg = SimConfig::new(world, topology);
     cfg.seed = seed;
@@ -68,6 +75,7 @@ pub fn sim_all_reduce<'py>(
         .detach(|| time_all_reduce(&cfg, algorithm, nbytes, codec, timeout))
         .map_err(|e| to_py(py, e))?;
     let d = PyDict::new(py);
+    d.set_item("algorithm", t.algorithm.name())?;
     d.set_item("elapsed_s", t.elapsed.as_secs_f64())?;
     d.set_item("max_rank_bytes", t.max_rank_bytes)?;
     d.set_item("mean_rank_bytes", t.mean_rank_bytes)?;

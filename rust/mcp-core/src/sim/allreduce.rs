@@ -6,12 +6,17 @@
 //! encoded frames are scaled, so each codec's measured byte ratio is what the timing uses.
 //! Large buffers are pipelined in [`PIPELINE_CHUNKS`] chunks per segment at most, a coarser
 //! grain than a real run's 1 MiB chunks (documented in `docs/simulator.md`).
+//!
+//! [`Algorithm::Auto`] is resolved as a real group resolves it, on the full size: recursive
+//! doubling up to the default `small_bytes` (64 KiB), hierarchical when there is more than
+//! one host and more than one rank on a host, the ring otherwise ([`resolve_auto`]).
 
 use super::{simulate, SimConfig};
 use crate::buffer::RawBuf;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::group::{Algorithm, Group, GroupConfig, Tensor};
+use crate::topology::Topology as HostTopology;
 use crate::transport::Transport;
 use crate::wire::Codec;
 use std::time::Duration;
@@ -22,6 +27,8 @@ pub const PIPELINE_CHUNKS: usize = 16;
 /// What one simulated all-reduce took and moved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AllReduceTiming {
+    /// The algorithm that ran ([`Algorithm::Auto`] resolved).
+    pub algorithm: Algorithm,
     /// Virtual time until the last rank finished (successfully or not).
     pub elapsed: Duration,
     /// Wire bytes the busiest rank sent (scaled, headers included).
@@ -41,12 +48,29 @@ pub struct AllReduceTiming {
     pub exact: bool,
 }
 
+/// The algorithm a real group's [`Algorithm::Auto`] picks for `bytes` per rank on `cfg`'s
+/// hosts, with the default [`GroupConfig::small_bytes`]; any other algorithm is returned as is.
+pub fn resolve_auto(cfg: &SimConfig, algorithm: Algorithm, bytes: f64) -> Algorithm {
+    let rph = cfg.topology.ranks_per_host.max(1);
+    let hosts = cfg.world.div_ceil(rph);
+    match algorithm {
+        Algorithm::Auto if bytes <= GroupConfig::default().small_bytes as f64 => {
+            Algorithm::RecursiveDoubling
+        }
+        Algorithm::Auto if hosts > 1 && rph > 1 => Algorithm::Hierarchical,
+        Algorithm::Auto => Algorithm::Ring,
+        a => a,
+    }
+}
+
 fn value(rank: usize, i: usize) -> f32 {
     ((i * 7 + rank * 13) % 5) as f32 - 2.0
 }
 
 /// Times an all-reduce of `bytes` per rank (as `f32` gradients) with `algorithm` and
-/// `codec` on `cfg`'s network (its `scale` is set here).
+/// `codec` on `cfg`'s network (its `scale` is set here). [`Algorithm::Auto`] runs what a
+/// real group would pick for the full size ([`resolve_auto`]); a hierarchical all-reduce
+/// sees `cfg`'s hosts (`ranks_per_host` consecutive ranks each) as its group's topology.
 pub fn time_all_reduce(
     cfg: &SimConfig,
     algorithm: Algorithm,
@@ -61,6 +85,18 @@ pub fn time_all_reduce(
     }
     codec.check(DType::F32)?;
     let w = cfg.world;
+    let algorithm = resolve_auto(cfg, algorithm, bytes);
+    // Only the hierarchical algorithm reads the group's topology; the others keep the
+    // default one (each rank would otherwise hold a copy of a table of the whole world).
+    let hosts = match algorithm {
+        Algorithm::Hierarchical => {
+            let rph = cfg.topology.ranks_per_host.max(1);
+            Some(HostTopology::from_host_of_rank(
+                (0..w).map(|r| r / rph).collect(),
+            )?)
+        }
+        _ => None,
+    };
     // At least one element per ring segment, and a whole int8 block: on shorter frames the
     // block's scale would weigh more than it does on full-size ones.
     let min_segment = match codec {
@@ -77,9 +113,15 @@ pub fn time_all_reduce(
     };
     let (out, report) = simulate(&cfg, move |t| {
         let group_cfg = group_cfg.clone();
+        let hosts = hosts.clone();
         async move {
             let r = t.rank();
             let g = Group::new(t, group_cfg);
+            if let Some(topo) = hosts {
+                if let Err(e) = g.set_topology(topo) {
+                    return (Err(e), Vec::new());
+                }
+            }
             let mut v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
             let shape = [n as u64];
             let raw: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
@@ -121,6 +163,7 @@ pub fn time_all_reduce(
     }
     let total: f64 = report.wire_bytes.iter().sum();
     Ok(AllReduceTiming {
+        algorithm,
         elapsed: report.elapsed,
         max_rank_bytes: report.wire_bytes.iter().copied().fold(0.0, f64::max),
         mean_rank_bytes: total / w as f64,

@@ -3,7 +3,8 @@
 //! A frame of `b` wire bytes queued at `now` on a link that is free at `free_at` starts at
 //! `max(now, free_at)`, occupies the link for `b / ((1 - p) * bandwidth)` (the retransmitted
 //! share of its packets uses capacity too), and arrives one latency after its last byte left,
-//! plus the recovery delay of its lost packets, plus jitter.
+//! plus a fixed software overhead per frame, plus the recovery delay of its lost packets,
+//! plus jitter.
 //!
 //! Loss is modelled as a reliable stream pays for it, not as a vanished frame: the frame is
 //! `ceil(b / mtu)` packets, each lost independently with probability `p` on every try; a lost
@@ -32,6 +33,11 @@ pub struct LinkSpec {
     pub mtu: usize,
     /// How much later a lost packet arrives than it would have (loss detection plus resend).
     pub rto: Duration,
+    /// Fixed software time per frame, whatever its size: the sending and receiving stacks'
+    /// work (system calls, wake-ups, per-operation bookkeeping) that a real host adds to a
+    /// frame's latency. It delays the frame's arrival and does not occupy the link, so
+    /// pipelined frames pay it in parallel. Zero unless calibrated (`mcp-sim validate`).
+    pub overhead: Duration,
 }
 
 impl LinkSpec {
@@ -46,7 +52,14 @@ impl LinkSpec {
             jitter: Duration::ZERO,
             mtu: 1500,
             rto: rtt * 9 / 8 + Duration::from_millis(1),
+            overhead: Duration::ZERO,
         }
+    }
+
+    /// The same link with a fixed software `overhead` per frame (see [`LinkSpec::overhead`]).
+    pub fn with_overhead(mut self, overhead: Duration) -> LinkSpec {
+        self.overhead = overhead;
+        self
     }
 
     /// The same link losing `loss` of its packets.

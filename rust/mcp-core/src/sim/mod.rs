@@ -2,8 +2,8 @@
 //!
 //! [`simulate`] runs one future per rank on a current-thread tokio runtime whose clock is
 //! paused, over a [`SimTransport`] per rank. Frames are timed by a per-link model
-//! ([`LinkSpec`]: latency, bandwidth with a FIFO queue, loss as the recovery delay a reliable
-//! stream pays, jitter), with separate figures inside a host and between hosts
+//! ([`LinkSpec`]: latency, bandwidth with a FIFO queue, a fixed software overhead per frame,
+//! loss as the recovery delay a reliable stream pays, jitter), with separate figures inside a host and between hosts
 //! ([`Topology`]); ranks and links fail at given virtual times ([`Fault`]). Every link draws
 //! from its own generator seeded from `(seed, src, dst)`, and events at one instant are
 //! delivered in the order they were filed, so one seed replays a run exactly ([`TraceEvent`]).
@@ -21,7 +21,7 @@ mod allreduce;
 mod link;
 mod net;
 
-pub use allreduce::{time_all_reduce, AllReduceTiming, PIPELINE_CHUNKS};
+pub use allreduce::{resolve_auto, time_all_reduce, AllReduceTiming, PIPELINE_CHUNKS};
 pub use link::LinkSpec;
 pub use net::SimTransport;
 

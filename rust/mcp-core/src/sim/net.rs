@@ -225,7 +225,10 @@ impl SimNet {
             .entry((src, dst))
             .or_insert_with(|| LinkRng::new(seed, src, dst))
             .extra_ns(spec, bytes);
-        let arrive = end.saturating_add(ns(spec.latency)).saturating_add(extra);
+        let arrive = end
+            .saturating_add(ns(spec.latency))
+            .saturating_add(ns(spec.overhead))
+            .saturating_add(extra);
         st.frames += 1;
         st.wire_bytes[src] += bytes;
         if sh != dh {

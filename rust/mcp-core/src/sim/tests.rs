@@ -322,6 +322,95 @@ fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
     ));
 }
 
+#[test]
+fn a_frames_software_overhead_delays_its_arrival_and_a_pipeline_pays_it_once() {
+    // One step of recursive doubling between two ranks: every frame arrives `overhead`
+    // later, so the whole operation ends exactly `overhead` later.
+    let link = LinkSpec::new(Duration::from_micros(28), 400e6);
+    let o = Duration::from_micros(155);
+    let time = |link: LinkSpec, world: usize, algorithm: Algorithm, bytes: f64| {
+        let cfg = SimConfig::new(world, Topology::flat(link));
+        time_all_reduce(
+            &cfg,
+            algorithm,
+            bytes,
+            Codec::None,
+            Duration::from_secs(600),
+        )
+        .expect("timed")
+    };
+    let rd = Algorithm::RecursiveDoubling;
+    let (plain, slow) = (
+        time(link, 2, rd, 4096.0),
+        time(link.with_overhead(o), 2, rd, 4096.0),
+    );
+    assert!(plain.exact && slow.exact);
+    assert_eq!(slow.elapsed, plain.elapsed + o);
+    assert_eq!(
+        LinkSpec::new(Duration::from_millis(1), 1e9).overhead,
+        Duration::ZERO
+    );
+
+    // A pipelined ring (8 ranks, 1 GB/s, 1 ms RTT, 64 MB): the overhead is latency, paid
+    // once while the link never idles: 2(W-1) segment times + latency + overhead.
+    let link = LinkSpec::new(Duration::from_millis(1), 1e9).with_overhead(o);
+    let bytes = 64e6;
+    let t = time(link, 8, Algorithm::Ring, bytes);
+    let formula = 14.0 * (bytes / 8.0 / 1e9) + link.latency.as_secs_f64() + o.as_secs_f64();
+    let got = t.elapsed.as_secs_f64();
+    assert!((got - formula).abs() < formula * 1e-3, "{got} vs {formula}");
+}
+
+#[test]
+fn auto_runs_what_a_real_group_picks_for_the_full_size() {
+    let link = LinkSpec::new(Duration::from_micros(28), 400e6);
+    let two_by_two = SimConfig::new(
+        4,
+        Topology {
+            ranks_per_host: 2,
+            intra: LinkSpec::new(Duration::from_micros(4), 2.5e9),
+            inter: link,
+        },
+    );
+    let flat = SimConfig::new(4, Topology::flat(link));
+    let small = GroupConfig::default().small_bytes as f64;
+    assert_eq!(
+        resolve_auto(&flat, Algorithm::Auto, small),
+        Algorithm::RecursiveDoubling
+    );
+    assert_eq!(
+        resolve_auto(&flat, Algorithm::Auto, small + 4.0),
+        Algorithm::Ring
+    );
+    assert_eq!(
+        resolve_auto(&two_by_two, Algorithm::Auto, small + 4.0),
+        Algorithm::Hierarchical
+    );
+    assert_eq!(
+        resolve_auto(&two_by_two, Algorithm::Tree, 4.0),
+        Algorithm::Tree
+    );
+    for (cfg, bytes, want) in [
+        (&two_by_two, 4096.0, Algorithm::RecursiveDoubling),
+        (&two_by_two, 16e6, Algorithm::Hierarchical),
+        (&flat, 16e6, Algorithm::Ring),
+    ] {
+        let t = time_all_reduce(
+            cfg,
+            Algorithm::Auto,
+            bytes,
+            Codec::None,
+            Duration::from_secs(60),
+        )
+        .expect("timed");
+        assert_eq!(t.algorithm, want);
+        assert!(
+            t.exact && t.ok_ranks == 4 && t.first_error.is_none(),
+            "{t:?}"
+        );
+    }
+}
+
 /// Three epochs of training on 1,000 members, 5 % of them dying at seeded virtual times:
 /// each epoch's all-reduce runs in the simulator over the epoch's members, the deaths fail
 /// every survivor's operation with `PeerLost`, and the membership coordinator's state
