@@ -1,6 +1,6 @@
 """``chaosmcp``: a real 3-rank job under ``corrupt --probability 0.2 --mode flip_bits`` stays
-exact and its summary counts every damaged frame resent; exit codes, MCP_CHAOS merging, bad
-input, and ``memory``, which the core cannot do yet."""
+exact and its summary counts every damaged frame resent; ``memory`` windows damage sent and
+received buffers and the job stays exact; exit codes, MCP_CHAOS merging, bad input."""
 
 from __future__ import annotations
 
@@ -99,12 +99,27 @@ def test_bad_input_is_refused_with_what_to_do(args: list[str], message: str) -> 
     assert message in r.stderr, r.stderr
 
 
-def test_memory_windows_are_refused_naming_the_core_hook_they_need() -> None:
-    # The documents' command line parses; running it would need the core (see chaosmcp).
-    r = chaosmcp("memory", "--interval", "5m", "--duration", "100ms", "--", "true", timeout=60)
-    assert r.returncode == 2
-    assert "not available" in r.stderr and "0.1 s every 300 s" in r.stderr
-    assert "chaos_corrupt" in r.stderr and "receive-side" in r.stderr
+def test_memory_windows_damage_sent_and_received_buffers_and_the_job_stays_exact(
+    tmp_path: Path,
+) -> None:
+    report = tmp_path / "report.json"
+    job = [sys.executable, str(HERE / "chaos_job.py"), "3", "6"]
+    # A window of 150 ms every 300 ms, the first at each group's start: the job lives through
+    # at least one. Stream lane: a damaged payload is asked for again.
+    r = chaosmcp(
+        "memory", "--interval", "300ms", "--duration", "150ms", "--probability", "0.3",
+        "--seed", "5", "--report", str(report), "--", *job,
+        env={"MCP_LANE": "stream"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]  # every all-reduce and broadcast exact
+    s = json.loads(report.read_text())
+    assert s["mode"] == "memory" and s["groups"] == 3 and s["exit_code"] == 0
+    assert s["mcp_chaos"] == "corrupt=0.3,seed=5,corrupt_every=300000us,corrupt_for=150000us"
+    # Damage happened, the checksums caught it (none slipped through: the results are exact;
+    # a frame damaged as its connection closes is never checked), each catch was resent.
+    assert s["damaged_on_purpose"] > 0 and 0 < s["corrupt_frames"] <= s["damaged_on_purpose"], s
+    assert s["retransmits"] == s["corrupt_frames"], s
+    assert f"{s['damaged_on_purpose']} payloads damaged on purpose" in r.stderr
     assert parse_duration("100ms") == pytest.approx(0.1) and parse_duration("5m") == 300.0
     assert parse_duration("1h") == 3600.0
     assert set(MODES) == {"flip_bits"}

@@ -4,7 +4,7 @@
 
     chaosmcp corrupt --probability 0.2 --mode flip_bits [--seed N] [--timeout S]
                      [--report FILE] -- CMD ...
-    chaosmcp memory --interval 5m --duration 100ms -- CMD ...     (not available yet)
+    chaosmcp memory --interval 5m --duration 100ms [--probability 0.3] [--seed N] -- CMD ...
 
 ``corrupt`` runs CMD with ``corrupt=P`` in ``MCP_CHAOS`` (merged into an ``MCP_CHAOS``
 already set: its other keys are kept, ``corrupt`` and ``seed`` are replaced), so that every
@@ -19,10 +19,14 @@ group of CMD counted when it closed (``MCP_CHAOS_REPORT``, a temporary directory
 that failed their checksum, frames sent again, FEC repair shards, and whether every frame
 found damaged on the stream lane was sent again.
 
-``memory`` (memory errors in windows: ``--duration`` of damaged send and receive buffers
-every ``--interval``) checks its arguments and then refuses to run: the core reads
-``MCP_CHAOS`` once, when a group starts, corrupts only what it sends, and has no switch to
-turn corruption on and off while a group runs. See :data:`MEMORY_WINDOWS_NEED`.
+``memory`` runs CMD with memory errors in windows: for ``--duration`` every ``--interval``
+(the first window at each group's start), each payload a group sends or receives is damaged
+with probability ``--probability`` (default 0.3) — the send buffer after its checksum was
+computed, the receive buffer before it is checked — through ``MCP_CHAOS`` keys
+``corrupt=P,corrupt_every=...,corrupt_for=...``. The checksums must catch every one and the
+resend repair it; the summary says how many payloads were damaged on purpose and how many
+failed their checksum. A probability of 1 would damage every resend inside a window too, and
+the frame fails with ``ProtocolError`` after ``MCP_RESEND_LIMIT`` tries: keep it below 1.
 
 Exit status: CMD's own, or 128+N when it was ended by signal N; 124 when ``--timeout``
 expired; 2 when chaosmcp itself could not run (bad arguments, CMD not found, ``memory``).
@@ -44,23 +48,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = ["MEMORY_WINDOWS_NEED", "MODES", "main", "merge_chaos", "parse_duration"]
+__all__ = ["MODES", "main", "merge_chaos", "parse_duration"]
 
 MODES = {"flip_bits": "one bit of each damaged frame's payload is flipped before it is sent"}
 """The corruption modes of the core (``MCP_CHAOS`` ``corrupt=``), with what each does."""
-
-MEMORY_WINDOWS_NEED = (
-    "the core has no run-time switch for corruption: MCP_CHAOS is read once when a group "
-    "starts, the corrupter exists only when corrupt > 0 at start, and only frames being sent "
-    "are damaged (never a received buffer). Time windows need, in rust/mcp-core "
-    "transport/quic: the corrupt probability held in an atomic that corruption_bit() reads "
-    "per frame (instead of cfg.chaos.corrupt), the corrupter always created under chaos, a "
-    "receive-side flip of the payload buffer before its checksum is checked, a counter of "
-    "frames damaged on purpose (to check that the checksums caught every one), and either a "
-    "method ProcessGroup.chaos_corrupt(probability, seconds) (like chaos_cut) or MCP_CHAOS "
-    "keys corrupt_every=5m,corrupt_for=100ms run by a timer task of the transport"
-)
-"""What the Rust core would need for ``chaosmcp memory``."""
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -151,11 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command")
     m = sub.add_parser(
         "memory",
-        help="memory errors in windows (not available yet: needs the core)",
+        help="damage sent and received buffers in windows, as memory errors would",
+        epilog="Example: chaosmcp memory --interval 5m --duration 100ms -- "
+        "torchrun --nproc-per-node 2 train.py",
     )
-    m.add_argument("--interval", type=_duration, required=True, help="e.g. 5m")
-    m.add_argument("--duration", type=_duration, required=True, help="e.g. 100ms")
-    m.add_argument("--probability", type=_probability, default=1.0, help="per frame, in windows")
+    m.add_argument("--interval", type=_duration, required=True, help="a window every, e.g. 5m")
+    m.add_argument("--duration", type=_duration, required=True, help="each lasting, e.g. 100ms")
+    m.add_argument(
+        "--probability", type=_probability, default=0.3, help="per payload, in windows (0.3)"
+    )
+    m.add_argument("--seed", type=int, help="seed of the fault injector (MCP_CHAOS seed=)")
+    m.add_argument("--timeout", type=_timeout, help="kill CMD after this many seconds (124)")
+    m.add_argument("--report", type=Path, help="also write the summary to this JSON file")
     m.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command")
     return p
 
@@ -183,6 +181,7 @@ def summarize(reports: list[dict[str, Any]], probability: float, mode: str, rc: 
         "exit_code": rc,
         "groups": len(reports),
         "frames_sent": total("frames_sent"),
+        "damaged_on_purpose": sum(int(r.get("chaos_stats", {}).get("damaged", 0)) for r in reports),
         "corrupt_frames": damaged,
         "retransmits": resent,
         "repair_shards": total("repair_shards"),
@@ -227,11 +226,18 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float | None) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def _us(seconds: float) -> str:
+    return f"{round(seconds * 1e6)}us"
+
+
 def _corrupt(args: argparse.Namespace, cmd: list[str]) -> int:
     env = dict(os.environ)
+    windows: dict[str, Any] = {}
+    if args.what == "memory":
+        windows = {"corrupt_every": _us(args.interval), "corrupt_for": _us(args.duration)}
     try:
         env["MCP_CHAOS"] = merge_chaos(
-            env.get("MCP_CHAOS"), corrupt=args.probability, seed=args.seed
+            env.get("MCP_CHAOS"), corrupt=args.probability, seed=args.seed, **windows
         )
     except ValueError as e:
         print(f"chaosmcp: error: {e}", file=sys.stderr)
@@ -239,7 +245,8 @@ def _corrupt(args: argparse.Namespace, cmd: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="chaosmcp-") as d:
         env["MCP_CHAOS_REPORT"] = d
         rc = _run(cmd, env, args.timeout)
-        s = summarize(_collect(Path(d)), args.probability, args.mode, rc)
+        mode = "memory" if args.what == "memory" else args.mode
+        s = summarize(_collect(Path(d)), args.probability, mode, rc)
     s["mcp_chaos"] = env["MCP_CHAOS"]
     if s["groups"] == 0:
         print(
@@ -254,8 +261,9 @@ def _corrupt(args: argparse.Namespace, cmd: list[str]) -> int:
             else "not every damaged frame was sent again (FEC lane repairs, or a failure)"
         )
         print(
-            f"chaosmcp: MCP_CHAOS={s['mcp_chaos']} ({args.mode}): {s['groups']} group(s) "
-            f"reported {s['frames_sent']} frames sent, {s['corrupt_frames']} failed their "
+            f"chaosmcp: MCP_CHAOS={s['mcp_chaos']} ({s['mode']}): {s['groups']} group(s) "
+            f"reported {s['frames_sent']} frames sent, {s['damaged_on_purpose']} payloads "
+            f"damaged on purpose, {s['corrupt_frames']} failed their "
             f"checksum, {s['retransmits']} resent, {s['repair_shards']} FEC repair shards; "
             f"{verdict}; command exited {rc}",
             file=sys.stderr,
@@ -282,13 +290,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        print(
-            f"chaosmcp: error: memory windows ({args.duration:g} s every {args.interval:g} s) "
-            f"are not available: {MEMORY_WINDOWS_NEED}. Meanwhile, `chaosmcp corrupt` damages "
-            "frames for the whole run.",
-            file=sys.stderr,
-        )
-        return 2
     return _corrupt(args, cmd)
 
 

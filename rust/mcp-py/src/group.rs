@@ -504,6 +504,10 @@ impl ProcessGroup {
             ("received", s.received.load(Relaxed)),
             ("recv_dropped", s.recv_dropped.load(Relaxed)),
             ("killed", s.killed.load(Relaxed)),
+            (
+                "damaged",
+                self.group.transport().stats().chaos_damaged.load(Relaxed),
+            ),
         ]
         .into_iter()
         .collect()

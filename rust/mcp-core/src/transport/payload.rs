@@ -38,6 +38,21 @@ impl Payload {
         Payload::default()
     }
 
+    /// Flips bit `bit` (counted from the first byte's lowest bit); a bit past the end is
+    /// ignored. Only the piece holding it is copied.
+    pub fn flip_bit(&mut self, bit: usize) {
+        let mut at = bit / 8;
+        for piece in &mut self.pieces {
+            if at < piece.len() {
+                let mut v = piece.to_vec();
+                v[at] ^= 1 << (bit % 8);
+                *piece = Bytes::from(v);
+                return;
+            }
+            at -= piece.len();
+        }
+    }
+
     /// Appends a piece.
     pub fn push(&mut self, piece: Bytes) {
         if !piece.is_empty() {
@@ -149,6 +164,16 @@ impl Payload {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flip_bit_damages_exactly_one_bit_in_the_piece_holding_it() {
+        let mut p = Payload::new();
+        p.push(Bytes::from_static(&[0u8; 3]));
+        p.push(Bytes::from_static(&[0u8; 5]));
+        p.flip_bit(3 * 8 + 9); // second piece, byte 1, bit 1
+        p.flip_bit(64); // past the end: nothing
+        assert_eq!(p.to_vec(), vec![0, 0, 0, 0, 2, 0, 0, 0]);
+    }
 
     #[test]
     fn reduction_across_arbitrary_piece_boundaries_is_exact() {

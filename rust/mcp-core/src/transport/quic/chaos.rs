@@ -15,7 +15,9 @@
 //!
 //! Payload corruption is parsed here ([`ChaosConfig::corrupt`]) but not applied: a corrupted
 //! QUIC packet fails its AEAD check and looks exactly like a lost one. Corrupt payloads above
-//! QUIC (e.g. FEC shards) to test the checks there.
+//! QUIC (e.g. FEC shards) to test the checks there. With `corrupt_every` and `corrupt_for`
+//! the corruption comes in windows, as memory errors do, and damages received payloads too
+//! ([`ChaosConfig::corrupting_at`]).
 
 use crate::error::{Error, Result};
 use quinn::udp::{RecvMeta, Transmit};
@@ -70,6 +72,13 @@ pub struct ChaosConfig {
     pub rate_bps: Option<u64>,
     /// Probability of payload corruption (`corrupt`): parsed here, applied above QUIC.
     pub corrupt: f64,
+    /// Corruption only in windows (`corrupt_every`): one begins every this long, counted
+    /// from the group's start, the first at the start; `None`: all the time, sent frames only.
+    pub corrupt_every: Option<Duration>,
+    /// How long each window lasts (`corrupt_for`); in a window both sent and received
+    /// payloads are damaged with probability `corrupt`, as a memory error would damage the
+    /// process's buffers.
+    pub corrupt_for: Duration,
 }
 
 impl Default for ChaosConfig {
@@ -85,11 +94,13 @@ impl Default for ChaosConfig {
             jitter: Duration::ZERO,
             rate_bps: None,
             corrupt: 0.0,
+            corrupt_every: None,
+            corrupt_for: Duration::ZERO,
         }
     }
 }
 
-const KEYS: &str = "seed, loss, burst, burst_len, dup, reorder, delay, jitter, rate, corrupt";
+const KEYS: &str = "seed, loss, burst, burst_len, dup, reorder, delay, jitter, rate, corrupt, corrupt_every, corrupt_for";
 
 fn bad(key: &str, value: &str, why: &str) -> Error {
     Error::InvalidArgument(format!("chaos spec: bad value {value:?} for {key}: {why}"))
@@ -191,6 +202,8 @@ impl ChaosConfig {
                 "jitter" => c.jitter = parse_duration(key, v)?,
                 "rate" => c.rate_bps = Some(parse_rate(key, v)?),
                 "corrupt" => c.corrupt = parse_prob(key, v)?,
+                "corrupt_every" => c.corrupt_every = Some(parse_duration(key, v)?),
+                "corrupt_for" => c.corrupt_for = parse_duration(key, v)?,
                 _ => {
                     return Err(Error::InvalidArgument(format!(
                         "chaos spec: unknown key {key:?} (keys: {KEYS})"
@@ -198,7 +211,25 @@ impl ChaosConfig {
                 }
             }
         }
+        c.validate()?;
         Ok(c)
+    }
+
+    /// Whether payloads are damaged `since` the group's start: always without windows, else
+    /// inside the first `corrupt_for` of every `corrupt_every`.
+    pub fn corrupting_at(&self, since: Duration) -> bool {
+        match self.corrupt_every {
+            None => true,
+            Some(every) => {
+                let (since, every) = (since.as_nanos(), every.as_nanos().max(1));
+                since % every < self.corrupt_for.as_nanos()
+            }
+        }
+    }
+
+    /// Whether corruption comes in windows, damaging received payloads too.
+    pub fn memory_windows(&self) -> bool {
+        self.corrupt_every.is_some()
     }
 
     /// Checks the ranges that [`parse`](Self::parse) checks, for a config built by hand.
@@ -219,6 +250,30 @@ impl ChaosConfig {
         }
         if self.rate_bps == Some(0) {
             return Err(bad("rate", "0", "a rate must be at least 1 bit/s"));
+        }
+        match self.corrupt_every {
+            None if !self.corrupt_for.is_zero() => {
+                return Err(bad(
+                    "corrupt_for",
+                    &fmt_duration(self.corrupt_for),
+                    "a window needs corrupt_every too",
+                ))
+            }
+            Some(every) if self.corrupt_for.is_zero() || self.corrupt_for >= every => {
+                return Err(bad(
+                    "corrupt_for",
+                    &fmt_duration(self.corrupt_for),
+                    "a window must last more than 0 and less than corrupt_every",
+                ))
+            }
+            Some(_) if self.corrupt == 0.0 => {
+                return Err(bad(
+                    "corrupt_every",
+                    &fmt_duration(self.corrupt_every.unwrap_or_default()),
+                    "windows need corrupt=P (the probability of damage in them)",
+                ))
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -276,6 +331,14 @@ impl fmt::Display for ChaosConfig {
         }
         if let Some(r) = self.rate_bps {
             write!(f, ",rate={}", fmt_rate(r))?;
+        }
+        if let Some(every) = self.corrupt_every {
+            write!(
+                f,
+                ",corrupt_every={},corrupt_for={}",
+                fmt_duration(every),
+                fmt_duration(self.corrupt_for)
+            )?;
         }
         Ok(())
     }
@@ -858,6 +921,21 @@ mod tests {
             ChaosConfig::default()
         );
         assert_eq!(ChaosConfig::default().to_string(), "seed=0");
+        let w = ChaosConfig::parse("corrupt=0.3,corrupt_every=200ms,corrupt_for=50ms")
+            .expect("windows");
+        assert_eq!(w.corrupt_every, Some(Duration::from_millis(200)));
+        assert_eq!(ChaosConfig::parse(&w.to_string()).expect("reparse"), w);
+        let at = |ms: u64| w.corrupting_at(Duration::from_millis(ms));
+        assert!(at(0) && at(49) && !at(50) && !at(199) && at(200) && at(249) && !at(250));
+        assert!(ChaosConfig::default().corrupting_at(Duration::from_secs(9)));
+        for bad in [
+            "corrupt=0.3,corrupt_for=50ms",
+            "corrupt=0.3,corrupt_every=50ms",
+            "corrupt=0.3,corrupt_every=50ms,corrupt_for=50ms",
+            "corrupt_every=200ms,corrupt_for=50ms",
+        ] {
+            assert!(ChaosConfig::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

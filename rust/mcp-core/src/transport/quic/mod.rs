@@ -208,6 +208,9 @@ pub struct QuicStats {
     pub corrupt_frames: AtomicU64,
     /// Frames sent again because the receiver found them damaged (checksum).
     pub retransmits: AtomicU64,
+    /// Payloads the fault injector damaged on purpose (`chaos` `corrupt=`), sent or, in
+    /// memory-error windows, received: what the checksums must catch.
+    pub chaos_damaged: AtomicU64,
     /// Frames sent.
     pub frames_sent: AtomicU64,
     /// Frame bytes (headers and payloads) handed to QUIC.
@@ -269,6 +272,8 @@ pub struct QuicTransport {
     chaos_stats: Option<Arc<chaos::ChaosStats>>,
     breakers: Mutex<crate::health::PeerBreakers>,
     corrupter: Option<Mutex<rand::rngs::StdRng>>,
+    /// When this transport started: `chaos` memory-error windows count from here.
+    started: Instant,
     next_transfer: AtomicU64,
     /// Room for frames kept until their receiver's verdict (see `stream_lane`).
     retained: Arc<tokio::sync::Semaphore>,
@@ -395,6 +400,7 @@ impl QuicTransport {
             chaos_stats,
             breakers: Mutex::new(crate::health::PeerBreakers::new(world, Default::default())),
             corrupter,
+            started: Instant::now(),
             next_transfer: AtomicU64::new(1),
             retained: Arc::new(tokio::sync::Semaphore::new(stream_lane::retain_budget())),
             progress: Mutex::new(crate::health::ProgressWatch::new(
@@ -889,13 +895,27 @@ impl QuicTransport {
     /// flip, drawn with probability p; `None` to send it as it is.
     fn corruption_bit(&self, len: usize) -> Option<usize> {
         let rng = self.corrupter.as_ref()?;
-        if len == 0 {
+        let chaos = self.cfg.chaos?;
+        if len == 0 || !chaos.corrupting_at(self.started.elapsed()) {
             return None;
         }
         let mut rng = rng.lock().unwrap_or_else(|p| p.into_inner());
-        let p = self.cfg.chaos.map(|c| c.corrupt).unwrap_or(0.0);
-        rand::Rng::random_bool(&mut *rng, p.clamp(0.0, 1.0))
-            .then(|| rand::Rng::random_range(&mut *rng, 0..len * 8))
+        let bit = rand::Rng::random_bool(&mut *rng, chaos.corrupt.clamp(0.0, 1.0))
+            .then(|| rand::Rng::random_range(&mut *rng, 0..len * 8));
+        if bit.is_some() {
+            self.stats.chaos_damaged.fetch_add(1, Ordering::Relaxed);
+        }
+        bit
+    }
+
+    /// In `chaos` memory-error windows (`corrupt_every`), the bit of a received `len`-byte
+    /// payload to flip before its checksum is checked, as a memory error in the receive
+    /// buffer would; `None` outside them and without windows.
+    fn receive_corruption_bit(&self, len: usize) -> Option<usize> {
+        if !self.cfg.chaos?.memory_windows() {
+            return None;
+        }
+        self.corruption_bit(len)
     }
 
     async fn write_frame(

@@ -303,6 +303,10 @@ pub(super) async fn receive_checked(
     }
     let key = MsgKey::of(&header);
     let lock = || resends.failing.lock().unwrap_or_else(|p| p.into_inner());
+    let mut payload = payload;
+    if let Some(bit) = t.receive_corruption_bit(payload.len()) {
+        payload.flip_bit(bit);
+    }
     match payload.verify(&header) {
         Ok(()) => {
             lock().remove(&key);
