@@ -95,6 +95,64 @@ def test_diag_disk_errors_exit_2(tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_diag_documents_disk_form_shows_latency_percentiles(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --path defaults to the current directory
+    assert diag.main(["--disk", "--latency", "--size", "4k", "--count", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"disk {tmp_path}" in out and "p90" in out and "MB/s" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def _free_udp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_diag_documents_network_form_counts_quic_packets_per_peer() -> None:
+    """``mcp-diag --network --packet-loss`` with torchrun's environment, on two ranks under a
+    fault injector that drops 10 %: QUIC's own counts show the loss per peer."""
+    port = _free_udp_port()
+    args = ["--network", "--packet-loss", "--size", "1MiB", "--count", "5", "--json"]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), MCP_CHAOS=f"loss=0.1,seed={rank + 1}")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "mcp_fast.cli.diag", *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, err
+        outs.append(json.loads(out))
+    for rank, r in enumerate(outs):
+        peer = r["peers"][str(1 - rank)]
+        assert r["rank"] == rank and peer["sent_packets"] > 0, r
+        assert 0 < peer["lost_packets"] < peer["sent_packets"], r  # 10 % of datagrams dropped
+        assert peer["loss"] == pytest.approx(peer["lost_packets"] / peer["sent_packets"])
+        assert peer["mtu"] > 0 and peer["cwnd"] > 0
+
+
+def test_diag_network_without_rank_or_environment_says_what_is_missing(capsys, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    assert diag.main(["--network", "--packet-loss"]) == 2
+    assert "network needs --rank (or RANK in the environment)" in capsys.readouterr().err
+
+
 def test_chaos_not_root_exits_2_with_a_clear_message(monkeypatch, capsys):
     monkeypatch.setattr(chaos.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
     monkeypatch.setattr(chaos.os, "geteuid", lambda: 1000)

@@ -141,7 +141,7 @@ def test_monitor_table_marks_a_down_endpoint():
         {"u": s0, "v": s0},
         {"u": s1, "v": monitor._Scrape(1.0, None)},
     )
-    assert rows[1].split() == ["1", "0", "2.500", "2.00", "0.00", "0", "-", "u"]
+    assert rows[1].split() == ["1", "0", "2.500", "2.00", "0.00", "0", "-", "2.500", "2.500", "u"]
     assert rows[2].split() == ["?", "-", "DOWN", "v"]
 
 
@@ -292,7 +292,40 @@ def test_monitor_prints_a_table(exporters):
         assert row[5] == "0" and int(row[6]) >= 0  # no errors; drops since the first scrape
 
 
-def test_monitor_unreachable_exits_2(capsys):
+@pytest.mark.timeout(60)
+def test_monitor_finds_the_job_by_itself(exporters, monkeypatch):
+    """No --url: MCP_METRICS_URLS, else the exporters registered on this host; the latency
+    view's p50 and p99 are over the tables so far."""
+    assert set(exporters) <= set(metrics.discover_exporters())
+    for env in ({"MCP_METRICS_URLS": ", ".join(exporters)}, {}):
+        monkeypatch.delenv("MCP_METRICS_URLS", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        r = _cli("monitor", "--latency", "--count", "3", "--interval", "0.2")
+        assert r.returncode == 0, r.stderr
+        rows = [line.split() for line in r.stdout.splitlines() if re.match(r"\s+\d+\s+\d+\s", line)]
+        ours = [row for row in rows if row[-1] in exporters]
+        assert {(row[0], row[1]) for row in ours} == {("0", "1"), ("1", "0")}, r.stdout
+        for row in ours:
+            assert 0 < float(row[7]) <= float(row[8]) < 1000  # p50 <= p99, in ms
+
+
+def test_exporters_register_and_stale_entries_are_dropped(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCP_METRICS_DIR", str(tmp_path))
+    (tmp_path / "999999999-1.url").write_text("http://127.0.0.1:1/metrics\n")  # a dead pid
+    assert metrics.discover_exporters() == []
+    assert list(tmp_path.iterdir()) == []
+    host, port = metrics.start_exporter(use_prometheus_client=False)
+    try:
+        assert metrics.discover_exporters() == [f"http://{host}:{port}/metrics"]
+    finally:
+        metrics.stop_exporter()
+    assert metrics.discover_exporters() == [] and list(tmp_path.iterdir()) == []
+
+
+def test_monitor_unreachable_exits_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MCP_METRICS_DIR", str(tmp_path))  # nothing registered
+    monkeypatch.delenv("MCP_METRICS_URLS", raising=False)
     url = f"http://127.0.0.1:{free_port()}/metrics"
     assert monitor.main(["--url", url, "--count", "1", "--timeout", "1"]) == 2
     err = capsys.readouterr().err

@@ -23,10 +23,12 @@ path.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import http.server
 import math
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -36,7 +38,8 @@ from typing import Any
 from .errors import MCPError
 from .group import Group, _live_groups
 
-__all__ = ["render", "snapshot", "start_exporter", "stop_exporter"]
+__all__ = ["discover_exporters", "registry_dir", "render", "snapshot", "start_exporter"]
+__all__ += ["stop_exporter"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -248,14 +251,81 @@ class _Source:
         return snapshot(self.group)
 
 
+def registry_dir() -> str:
+    """Where the exporters of this user's processes on this host register their URL, for
+    ``mcp-monitor`` to find them: ``MCP_METRICS_DIR``, else ``<tmp>/mcp-metrics-<uid>``."""
+    return os.environ.get("MCP_METRICS_DIR") or os.path.join(
+        tempfile.gettempdir(), f"mcp-metrics-{os.getuid()}"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def discover_exporters(directory: str | None = None) -> list[str]:
+    """The URLs of the exporters registered in ``directory`` (default :func:`registry_dir`)
+    by processes still alive, in the order they started; entries of dead processes (killed
+    before they could remove theirs) are removed."""
+    d = directory or registry_dir()
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    found: list[tuple[float, str]] = []
+    for name in names:
+        if not name.endswith(".url"):
+            continue
+        path = os.path.join(d, name)
+        try:
+            pid = int(name.split("-", 1)[0])
+            with open(path) as f:
+                url = f.read().strip()
+            started = os.stat(path).st_mtime
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            continue
+        found.append((started, url))
+    return [u for _, u in sorted(found)]
+
+
+def _register(host: str, port: int) -> str | None:
+    """Leaves this exporter's URL in :func:`registry_dir`; the file's path, or None when
+    the directory cannot be written (discovery is a convenience, never a failure)."""
+    d = registry_dir()
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        path = os.path.join(d, f"{os.getpid()}-{port}.url")
+        shown = f"[{host}]" if ":" in host else host
+        with open(path + ".tmp", "w") as f:
+            f.write(f"http://{shown}:{port}/metrics\n")
+        os.replace(path + ".tmp", path)
+        return path
+    except OSError:
+        return None
+
+
 class _Exporter:
     def __init__(self, server: Any, thread: threading.Thread, host: str, port: int) -> None:
         self.server = server
         self.thread = thread
         self.host = host
         self.port = port
+        self.registered: str | None = None
 
     def stop(self) -> None:
+        if self.registered is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.registered)
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
@@ -360,6 +430,7 @@ def start_exporter(
         server, thread = start(source, addr, port)
         host, bound = server.server_address[:2]
         _exporter = _Exporter(server, thread, str(host), int(bound))
+        _exporter.registered = _register(_exporter.host, _exporter.port)
         return _exporter.host, _exporter.port
 
 
@@ -371,3 +442,11 @@ def stop_exporter() -> None:
     if e is not None:
         with contextlib.suppress(OSError):
             e.stop()
+
+
+@atexit.register
+def _unregister_at_exit() -> None:
+    e = _exporter
+    if e is not None and e.registered is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(e.registered)

@@ -2,14 +2,17 @@
 
 Commands::
 
-    mcp-diag disk --path DIR [--size 4MiB] [--count 50] [--json]
-    mcp-diag network --rank R --world N --master HOST:PORT [--secret S] [--size 16MiB]
-                     [--count 20] [--timeout 60] [--json]
+    mcp-diag disk [--path DIR] [--latency] [--size 4MiB] [--count 50] [--json]
+    mcp-diag network [--rank R --world N --master HOST:PORT] [--packet-loss] [--secret S]
+                     [--size 16MiB] [--count 20] [--timeout 60] [--json]
+    mcp-diag --disk --latency ...            (the documents' forms of the same commands)
+    mcp-diag --network --packet-loss ...
 
 ``disk`` writes ``count`` blocks of ``size`` random bytes to a temporary file in DIR, calling
 ``fsync`` after each, and reports the latency of each write+fsync (p50, p99, max) and the
 throughput (bytes written / total time): what a checkpoint write to that filesystem costs.
-The temporary file is removed afterwards, also on error or Ctrl-C.
+The temporary file is removed afterwards, also on error or Ctrl-C. DIR defaults to the
+current directory; ``--latency`` shows the latency percentiles alone (p50, p90, p99, max).
 
 ``network`` runs on every rank of a job (on several machines, or several times on one: rank 0
 listens on UDP HOST:PORT, the others connect to it) and measures, over MCP itself: the
@@ -20,7 +23,11 @@ algorithm bandwidth × 2(N-1)/N, the bytes each rank moves, as nccl-tests report
 bytes the transport sent and received meanwhile, and loss hints: corrupt frames, refused
 handshakes and, under a fault injector (``MCP_CHAOS``), the datagrams it dropped. Each rank
 prints its own table. The secret defaults to ``MCP_SECRET``, else rank 0 makes one and hands
-it out at the rendezvous (see the README).
+it out at the rendezvous (see the README). ``--rank``, ``--world`` and ``--master`` default to
+torchrun's ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR``:``MASTER_PORT``. ``--packet-loss`` adds
+a table of QUIC's own packet counts per peer during the measurement (sent, declared lost, the
+loss rate, congestion window, path MTU): the loss the network really inflicts, not only the
+fault injector's.
 
 Exit status: 0 on success, 2 on an error (bad arguments, path not writable, no space, a peer
 that never came or a failed operation).
@@ -83,6 +90,7 @@ def disk_latency(path: str, size: int, count: int) -> dict[str, float | int | st
         "size": size,
         "count": count,
         "p50_s": _percentile(lat, 0.50),
+        "p90_s": _percentile(lat, 0.90),
         "p99_s": _percentile(lat, 0.99),
         "max_s": lat[-1],
         "throughput_Bps": size * count / total if total > 0 else float("inf"),
@@ -95,6 +103,12 @@ def _disk(args: argparse.Namespace) -> int:
         print(json.dumps(r))
         return 0
     print(f"disk {r['path']}: {r['count']} x {r['size']} bytes, write + fsync each")
+    if args.latency:
+        print(
+            f"  latency p50 {r['p50_s'] * 1e3:.2f} ms   p90 {r['p90_s'] * 1e3:.2f} ms   "
+            f"p99 {r['p99_s'] * 1e3:.2f} ms   max {r['max_s'] * 1e3:.2f} ms"
+        )
+        return 0
     print(
         f"  latency p50 {r['p50_s'] * 1e3:.2f} ms   p99 {r['p99_s'] * 1e3:.2f} ms   "
         f"max {r['max_s'] * 1e3:.2f} ms"
@@ -137,6 +151,7 @@ def network_probe(
         g.all_reduce(big)
         g.barrier()
         t_before, c_before = g.stats(), g.chaos_stats()
+        h_before = {h["rank"]: h for h in g.health()}
         lat: list[float] = []
         for _ in range(count):
             t0 = time.perf_counter()
@@ -149,6 +164,7 @@ def network_probe(
             g.all_reduce(big)
         elapsed = time.perf_counter() - start
         t_after, c_after = g.stats(), g.chaos_stats()
+        h_after = {h["rank"]: h for h in g.health()}
         rtt = {p: g.rtt(p) for p in range(world) if p != rank}
         g.barrier()  # nobody leaves while a peer still measures
     lat.sort()
@@ -168,10 +184,53 @@ def network_probe(
         "wire_sent_Bps": (t_after["bytes_sent"] - sent_before) / elapsed,
         "transport": _delta(t_after, t_before),
         "chaos": _delta(c_after, c_before),
+        "peers": {p: _path_delta(h_after.get(p), h_before.get(p)) for p in rtt},
     }
 
 
+def _path_delta(after: dict[str, Any] | None, before: dict[str, Any] | None) -> dict[str, Any]:
+    """One peer's QUIC packet counts between two ``health()`` looks (``None`` where the path
+    was not connected at the second)."""
+
+    def count(h: dict[str, Any] | None, key: str) -> int:
+        return int((h or {}).get(key) or 0)
+
+    if after is None or after.get("sent_packets") is None:
+        return {"sent_packets": None, "lost_packets": None, "loss": None, "cwnd": None, "mtu": None}
+    sent = count(after, "sent_packets") - count(before, "sent_packets")
+    lost = count(after, "lost_packets") - count(before, "lost_packets")
+    if sent < 0 or lost < 0:  # a reconnection in between: the counters began again
+        sent, lost = count(after, "sent_packets"), count(after, "lost_packets")
+    return {
+        "sent_packets": sent,
+        "lost_packets": lost,
+        "loss": lost / sent if sent else 0.0,
+        "cwnd": after.get("cwnd"),
+        "mtu": after.get("mtu"),
+    }
+
+
+def _from_env(args: argparse.Namespace) -> None:
+    """``--rank``, ``--world``, ``--master`` left out: torchrun's environment."""
+    if args.rank is None:
+        v = os.environ.get("RANK")
+        if v is None or not v.isdigit():
+            raise ValueError("network needs --rank (or RANK in the environment)")
+        args.rank = int(v)
+    if args.world is None:
+        v = os.environ.get("WORLD_SIZE")
+        if v is None or not v.isdigit():
+            raise ValueError("network needs --world (or WORLD_SIZE in the environment)")
+        args.world = int(v)
+    if args.master is None:
+        addr = os.environ.get("MASTER_ADDR")
+        if not addr:
+            raise ValueError("network needs --master HOST:PORT (or MASTER_ADDR and MASTER_PORT)")
+        args.master = _master(f"{addr}:{os.environ.get('MASTER_PORT') or 29500}")
+
+
 def _network(args: argparse.Namespace) -> int:
+    _from_env(args)
     host, port = args.master
     if not 0 <= args.rank < args.world:
         raise ValueError(f"--rank {args.rank} is not a rank of --world {args.world}")
@@ -213,6 +272,18 @@ def _network(args: argparse.Namespace) -> int:
     if r["count"] >= 20 and p99 > 5 * p50 and p99 - p50 > 1e-3:
         hints.append("p99 > 5 x p50: retransmissions or a busy host")
     print(f"  loss hints            {'; '.join(hints)}")
+    if args.packet_loss:
+        print(
+            f"  {'peer':>6}  {'QUIC sent':>10}  {'lost':>8}  {'loss':>7}  {'cwnd':>10}  {'MTU':>6}"
+        )
+        for peer, q in r["peers"].items():
+            if q["sent_packets"] is None:
+                print(f"  {peer:>6}  {'not connected':>10}")
+                continue
+            print(
+                f"  {peer:>6}  {q['sent_packets']:>10}  {q['lost_packets']:>8}  "
+                f"{100 * q['loss']:>6.2f}%  {q['cwnd'] or 0:>10}  {q['mtu'] or 0:>6}"
+            )
     return 0
 
 
@@ -268,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write COUNT blocks of SIZE random bytes to a temporary file in PATH, "
         "fsync after each, report latency p50/p99/max and throughput, remove the file.",
     )
-    d.add_argument("--path", required=True, help="a directory on the filesystem to test")
+    d.add_argument("--path", default=".", help="a directory on the filesystem to test (.)")
+    d.add_argument("--latency", action="store_true", help="latency percentiles alone")
     d.add_argument("--size", type=_size, default=4 << 20, help="block size (default 4MiB)")
     d.add_argument("--count", type=_count, default=50, help="blocks to write (default 50)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
@@ -282,10 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example, two shells: mcp-diag network --rank 0 --world 2 --master "
         "127.0.0.1:29500   and   mcp-diag network --rank 1 --world 2 --master 127.0.0.1:29500",
     )
-    n.add_argument("--rank", type=_nonneg_int, required=True, help="this process's rank")
-    n.add_argument("--world", type=_nonneg_int, required=True, help="number of ranks")
+    n.add_argument("--rank", type=_nonneg_int, help="this process's rank (RANK)")
+    n.add_argument("--world", type=_nonneg_int, help="number of ranks (WORLD_SIZE)")
     n.add_argument(
-        "--master", type=_master, required=True, help="HOST:PORT where rank 0 listens (UDP)"
+        "--master",
+        type=_master,
+        help="HOST:PORT where rank 0 listens, UDP (MASTER_ADDR:MASTER_PORT)",
+    )
+    n.add_argument(
+        "--packet-loss", action="store_true", help="QUIC's packets sent and lost, per peer"
     )
     n.add_argument("--secret", help="job secret (default: MCP_SECRET, else made by rank 0)")
     n.add_argument("--size", type=_size, default=16 << 20, help="bandwidth message (16MiB)")
@@ -298,7 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_FLAG_FORMS = {"--disk": "disk", "--network": "network"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _FLAG_FORMS:  # the documents' forms: mcp-diag --network ...
+        argv[0] = _FLAG_FORMS[argv[0]]
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -2,11 +2,15 @@
 
 ::
 
-    mcp-monitor --latency --url http://127.0.0.1:PORT/metrics [--url ...] [--interval 1] [--count N]
+    mcp-monitor --latency [--url http://127.0.0.1:PORT/metrics ...] [--interval 1] [--count N]
 
-Each rank serves its metrics with ``mcp_fast.metrics.start_exporter()``; mcp-monitor scrapes
-every ``--url`` (``HOST:PORT`` is short for ``http://HOST:PORT/metrics``) once, then every
-``--interval`` seconds prints one row per (rank, peer): the smoothed QUIC round-trip time,
+Each rank serves its metrics with ``mcp_fast.metrics.start_exporter()``, which also registers
+its URL in a per-user directory of this host (``MCP_METRICS_DIR``, default
+``<tmp>/mcp-metrics-<uid>``). mcp-monitor scrapes every ``--url`` (``HOST:PORT`` is short for
+``http://HOST:PORT/metrics``); without one, the URLs of ``MCP_METRICS_URLS`` (separated by
+commas or spaces: ranks on other machines), else every live exporter registered on this host.
+It scrapes them once, then every ``--interval`` seconds prints one row per (rank, peer): the
+smoothed QUIC round-trip time and its p50 and p99 over the tables so far (the latency view),
 the rank's send and receive rates (MB/s, over all its peers: the core counts bytes per
 process, not per peer), its errors (corrupt frames + refused handshakes + failed operations,
 since the first scrape) and, with a fault injector, its dropped datagrams. ``--count N``
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import time
@@ -144,12 +149,27 @@ def _rate(cur: float, prev: float, dt: float) -> str:
     return f"{(cur - prev) / dt / 1e6:.2f}"
 
 
+#: RTT samples kept per (endpoint, rank, peer) for the percentiles.
+HISTORY = 1000
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
+
+
 def table(
-    urls: list[str], first: dict[str, _Scrape], prev: dict[str, _Scrape], cur: dict[str, _Scrape]
+    urls: list[str],
+    first: dict[str, _Scrape],
+    prev: dict[str, _Scrape],
+    cur: dict[str, _Scrape],
+    history: dict[tuple[str, str, int], list[float]] | None = None,
 ) -> list[str]:
-    """The rows of one table (header first)."""
+    """The rows of one table (header first). ``history`` keeps each (endpoint, rank, peer)'s
+    RTTs across tables, for the p50 and p99 columns (none: this table's sample alone)."""
+    history = {} if history is None else history
     head = f"{'RANK':>5} {'PEER':>5} {'RTT_MS':>9} {'TX_MB/s':>9} {'RX_MB/s':>9} "
-    head += f"{'ERRORS':>7} {'DROPS':>7}  ENDPOINT"
+    head += f"{'ERRORS':>7} {'DROPS':>7} {'P50_MS':>9} {'P99_MS':>9}  ENDPOINT"
     rows = [head]
     for url in urls:
         c, p, f = cur[url], prev[url], first[url]
@@ -185,14 +205,21 @@ def table(
                 and tuple(sorted((k, v) for k, v in labels if k != "peer")) == base
             )
             for peer in peers or [None]:
+                p50 = p99 = "-"
                 if peer is None:
                     rtt = "-"
                 else:
                     v = _get(s, "mcp_peer_rtt_seconds", base, peer=str(peer))
                     rtt = "not conn." if math.isnan(v) else f"{v * 1e3:.3f}"
+                    seen = history.setdefault((url, rank, peer), [])
+                    if not math.isnan(v):
+                        seen.append(v)
+                        del seen[:-HISTORY]
+                    if seen:
+                        p50, p99 = f"{_pct(seen, 0.5) * 1e3:.3f}", f"{_pct(seen, 0.99) * 1e3:.3f}"
                 rows.append(
                     f"{rank:>5} {'-' if peer is None else peer:>5} {rtt:>9} {tx:>9} {rx:>9} "
-                    f"{errs:>7.0f} {drops:>7}  {url}"
+                    f"{errs:>7.0f} {drops:>7} {p50:>9} {p99:>9}  {url}"
                 )
     return rows
 
@@ -228,14 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--latency",
         action="store_true",
-        help="the per-peer latency table (the default, and for now the only, view)",
+        help="the per-peer latency table: RTT now, p50 and p99 so far (the default view)",
     )
     p.add_argument(
         "--url",
         action="append",
         default=[],
         metavar="URL",
-        help="an exporter, http://HOST:PORT/metrics or HOST:PORT; repeat for several ranks",
+        help="an exporter, http://HOST:PORT/metrics or HOST:PORT; repeat for several ranks "
+        "(default: MCP_METRICS_URLS, else the exporters registered on this host)",
     )
     p.add_argument("--interval", type=_positive, default=1.0, help="seconds between tables (1)")
     p.add_argument("--count", type=_count, help="print this many tables, then exit (default: run)")
@@ -258,20 +286,33 @@ def _scrape_all(urls: list[str], timeout: float, strict: bool) -> dict[str, _Scr
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    if not args.url:
+def endpoints(given: list[str]) -> list[str]:
+    """The exporters to poll: ``given``, else ``MCP_METRICS_URLS``, else those registered on
+    this host by live processes."""
+    from mcp_fast.metrics import discover_exporters, registry_dir
+
+    urls = given or re.split(r"[,\s]+", os.environ.get("MCP_METRICS_URLS", "").strip())
+    urls = [u for u in urls if u] or discover_exporters()
+    if not urls:
         raise ValueError(
-            "no exporter to poll: pass --url http://HOST:PORT/metrics (one per rank; ranks "
-            "serve it with mcp_fast.metrics.start_exporter())"
+            "no exporter to poll: none is registered in "
+            f"{registry_dir()} (ranks serve and register one with "
+            "mcp_fast.metrics.start_exporter()); pass --url http://HOST:PORT/metrics or set "
+            "MCP_METRICS_URLS for ranks on other machines"
         )
-    urls = list(dict.fromkeys(normalize_url(u) for u in args.url))
+    return list(dict.fromkeys(normalize_url(u) for u in urls))
+
+
+def run(args: argparse.Namespace) -> int:
+    urls = endpoints(args.url)
+    history: dict[tuple[str, str, int], list[float]] = {}
     first = prev = _scrape_all(urls, args.timeout, strict=True)
     clear = sys.stdout.isatty()
     n = 0
     while args.count is None or n < args.count:
         time.sleep(args.interval)
         cur = _scrape_all(urls, args.timeout, strict=False)
-        rows = table(urls, first, prev, cur)
+        rows = table(urls, first, prev, cur, history)
         if clear:
             sys.stdout.write("\x1b[H\x1b[2J")
         print(f"mcp-monitor  {time.strftime('%H:%M:%S')}  {len(urls)} endpoint(s)")
