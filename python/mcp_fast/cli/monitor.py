@@ -195,7 +195,8 @@ def table(
             drops = f"{_sum(s, base, _DROPS) - _sum(fs, base, _DROPS):.0f}" if has_chaos else "-"
             if _get(s, "mcp_group_open", base) == 0:
                 rows.append(
-                    f"{rank:>5} {'-':>5} {'CLOSED':>9} {'':>9} {'':>9} {'':>7} {'':>7}  {url}"
+                    f"{rank:>5} {'-':>5} {'CLOSED':>9} {'':>9} {'':>9} {'':>7} {'':>7} "
+                    f"{'':>9} {'':>9}  {url}"
                 )
                 continue
             peers = sorted(
