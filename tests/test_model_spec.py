@@ -115,6 +115,14 @@ def test_no_declaration_anywhere_is_no_check() -> None:
         ),
         ({"arch": "x", "precision": "bf16", "io_schema": 5}, "io_schema must be a list"),
         ({1: "x"}, "model_spec keys must be strings"),
+        (
+            {
+                "arch": "x",
+                "precision": "bf16",
+                "io_schema": [f"f{i}:int32[{'d' * 120}]" for i in range(200)],
+            },
+            "at most 16384",
+        ),
     ],
 )
 def test_bad_declarations_are_value_errors_naming_what_is_wrong(spec: Any, message: str) -> None:

@@ -28,6 +28,9 @@ pub const MAX_NAME: usize = 128;
 pub const MAX_FIELDS: usize = 256;
 /// The most dimensions of one field.
 pub const MAX_FIELD_DIMS: usize = 16;
+/// The longest canonical text a declaration may have, in bytes (it travels in the rendezvous
+/// table).
+pub const MAX_TEXT: usize = 16 * 1024;
 
 /// A value of the declaration's table, as the caller's language gave it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -261,12 +264,19 @@ impl ModelDecl {
                 "io_schema lists {n} fields; at most {MAX_FIELDS}"
             )));
         }
-        Ok(ModelDecl {
+        let decl = ModelDecl {
             arch: arch.ok_or_else(|| bad(format!("arch is missing; the keys are {KEYS}")))?,
             precision: precision
                 .ok_or_else(|| bad(format!("precision is missing; the keys are {KEYS}")))?,
             io,
-        })
+        };
+        let len = decl.canonical().len();
+        if len > MAX_TEXT {
+            return Err(bad(format!(
+                "the declaration takes {len} bytes; at most {MAX_TEXT} (shorter names, fewer fields)"
+            )));
+        }
+        Ok(decl)
     }
 
     /// The canonical text two ranks compare: equal declarations, equal text.
@@ -480,6 +490,21 @@ mod tests {
                     ("io_schema".into(), text("ids:int32[b]")),
                 ],
                 "io_schema must be a list",
+            ),
+            (
+                vec![
+                    ("arch".into(), text("x")),
+                    ("precision".into(), text("bf16")),
+                    (
+                        "io_schema".into(),
+                        DeclValue::List(
+                            (0..200)
+                                .map(|i| format!("f{i}:int32[{0},{0}]", "d".repeat(100)))
+                                .collect(),
+                        ),
+                    ),
+                ],
+                "at most 16384",
             ),
         ];
         for (entries, want) in cases {

@@ -72,7 +72,7 @@ pub(super) struct Entry {
 }
 
 /// The longest declaration the table carries, in bytes of canonical text.
-const MAX_MODEL_TEXT: usize = 64 * 1024;
+const MAX_MODEL_TEXT: usize = crate::model_decl::MAX_TEXT;
 
 fn hex(text: &str) -> String {
     text.bytes().map(|b| format!("{b:02x}")).collect()
