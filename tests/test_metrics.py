@@ -116,32 +116,36 @@ def test_render_without_groups_and_escaping():
 
 
 def test_monitor_table_marks_a_down_endpoint():
-    text = metrics.render(
-        {
-            "timestamp": 0.0,
-            "pid": 1,
-            "groups": [
-                {
-                    "rank": 1,
-                    "world_size": 2,
-                    "open": True,
-                    "transport": {"bytes_sent": 3_000_000, "bytes_received": 0},
-                    "rtt": {0: 0.0025},
-                    "chaos": {},
-                    "ops": {},
-                }
-            ],
-        }
-    )
-    s0 = monitor._Scrape(0.0, monitor.parse_text(text))
-    s1 = monitor._Scrape(1.0, monitor.parse_text(text.replace("3000000", "5000000")))
+    def text(sent_bytes: int, packets: int, lost: int) -> str:
+        path = {"sent_packets": packets, "lost_packets": lost, "lost_bytes": 1200 * lost}
+        path.update(congestion_events=1, cwnd=12000, mtu=1200)
+        group = {"rank": 1, "world_size": 2, "open": True, "rtt": {0: 0.0025}, "chaos": {}}
+        group.update(transport={"bytes_sent": sent_bytes, "bytes_received": 0}, ops={})
+        group["path"] = {0: path}
+        return metrics.render({"timestamp": 0.0, "pid": 1, "groups": [group]})
+
+    s0 = monitor._Scrape(0.0, monitor.parse_text(text(3_000_000, 100, 2)))
+    s1 = monitor._Scrape(1.0, monitor.parse_text(text(5_000_000, 300, 12)))
     rows = monitor.table(
         ["u", "v"],
         {"u": s0, "v": s0},
         {"u": s0, "v": s0},
         {"u": s1, "v": monitor._Scrape(1.0, None)},
     )
-    assert rows[1].split() == ["1", "0", "2.500", "2.00", "0.00", "0", "-", "2.500", "2.500", "u"]
+    # QUIC's loss since the first scrape: 10 of 200 packets.
+    assert rows[1].split() == [
+        "1",
+        "0",
+        "2.500",
+        "2.00",
+        "0.00",
+        "0",
+        "-",
+        "2.500",
+        "2.500",
+        "5.00",
+        "u",
+    ]
     assert rows[2].split() == ["?", "-", "DOWN", "v"]
 
 
@@ -290,6 +294,7 @@ def test_monitor_prints_a_table(exporters):
     for row in rows:
         assert 0 < float(row[2]) < 1000  # RTT in ms
         assert row[5] == "0" and int(row[6]) >= 0  # no errors; drops since the first scrape
+        assert row[9] == "-" or 0 <= float(row[9]) <= 100  # QUIC loss % (no traffic: -)
 
 
 @pytest.mark.timeout(60)

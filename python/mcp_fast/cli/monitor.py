@@ -11,6 +11,8 @@ its URL in a per-user directory of this host (``MCP_METRICS_DIR``, default
 commas or spaces: ranks on other machines), else every live exporter registered on this host.
 It scrapes them once, then every ``--interval`` seconds prints one row per (rank, peer): the
 smoothed QUIC round-trip time and its p50 and p99 over the tables so far (the latency view),
+QUIC's own packet loss to the peer since the first scrape (LOSS%: what a real lossy link
+shows, with or without a fault injector),
 the rank's send and receive rates (MB/s, over all its peers: the core counts bytes per
 process, not per peer), its errors (corrupt frames + refused handshakes + failed operations,
 since the first scrape) and, with a fault injector, its dropped datagrams. ``--count N``
@@ -149,6 +151,22 @@ def _rate(cur: float, prev: float, dt: float) -> str:
     return f"{(cur - prev) / dt / 1e6:.2f}"
 
 
+def _loss(
+    s: dict[tuple[str, Labels], float], fs: dict[tuple[str, Labels], float], base: Labels, peer: str
+) -> str:
+    """QUIC's own loss to ``peer`` since the first scrape: packets declared lost over packets
+    sent, in percent (``-`` without path figures or without packets sent)."""
+    sent = _get(s, "mcp_peer_sent_packets_total", base, peer=peer)
+    lost = _get(s, "mcp_peer_lost_packets_total", base, peer=peer)
+    sent0 = _get(fs, "mcp_peer_sent_packets_total", base, peer=peer)
+    lost0 = _get(fs, "mcp_peer_lost_packets_total", base, peer=peer)
+    if math.isnan(sent) or math.isnan(lost):
+        return "-"
+    if not (math.isnan(sent0) or math.isnan(lost0) or sent0 > sent or lost0 > lost):
+        sent, lost = sent - sent0, lost - lost0  # else a new connection: its own counts
+    return f"{100 * lost / sent:.2f}" if sent > 0 else "-"
+
+
 #: RTT samples kept per (endpoint, rank, peer) for the percentiles.
 HISTORY = 1000
 
@@ -169,7 +187,7 @@ def table(
     RTTs across tables, for the p50 and p99 columns (none: this table's sample alone)."""
     history = {} if history is None else history
     head = f"{'RANK':>5} {'PEER':>5} {'RTT_MS':>9} {'TX_MB/s':>9} {'RX_MB/s':>9} "
-    head += f"{'ERRORS':>7} {'DROPS':>7} {'P50_MS':>9} {'P99_MS':>9}  ENDPOINT"
+    head += f"{'ERRORS':>7} {'DROPS':>7} {'P50_MS':>9} {'P99_MS':>9} {'LOSS%':>7}  ENDPOINT"
     rows = [head]
     for url in urls:
         c, p, f = cur[url], prev[url], first[url]
@@ -196,7 +214,7 @@ def table(
             if _get(s, "mcp_group_open", base) == 0:
                 rows.append(
                     f"{rank:>5} {'-':>5} {'CLOSED':>9} {'':>9} {'':>9} {'':>7} {'':>7} "
-                    f"{'':>9} {'':>9}  {url}"
+                    f"{'':>9} {'':>9} {'':>7}  {url}"
                 )
                 continue
             peers = sorted(
@@ -206,7 +224,9 @@ def table(
                 and tuple(sorted((k, v) for k, v in labels if k != "peer")) == base
             )
             for peer in peers or [None]:
-                p50 = p99 = "-"
+                p50 = p99 = loss = "-"
+                if peer is not None:
+                    loss = _loss(s, fs, base, str(peer))
                 if peer is None:
                     rtt = "-"
                 else:
@@ -220,7 +240,7 @@ def table(
                         p50, p99 = f"{_pct(seen, 0.5) * 1e3:.3f}", f"{_pct(seen, 0.99) * 1e3:.3f}"
                 rows.append(
                     f"{rank:>5} {'-' if peer is None else peer:>5} {rtt:>9} {tx:>9} {rx:>9} "
-                    f"{errs:>7.0f} {drops:>7} {p50:>9} {p99:>9}  {url}"
+                    f"{errs:>7.0f} {drops:>7} {p50:>9} {p99:>9} {loss:>7}  {url}"
                 )
     return rows
 
