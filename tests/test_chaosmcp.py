@@ -105,11 +105,13 @@ def test_memory_windows_damage_sent_and_received_buffers_and_the_job_stays_exact
     report = tmp_path / "report.json"
     job = [sys.executable, str(HERE / "chaos_job.py"), "3", "6"]
     # A window of 150 ms every 300 ms, the first at each group's start: the job lives through
-    # at least one. Stream lane: a damaged payload is asked for again.
+    # at least one. Stream lane: a damaged payload is asked for again. Heavy damage (a try
+    # fails with probability ~0.5 in a window), so more resends than the default 8 are allowed:
+    # 33 failed tries in a row has probability 2e-10.
     r = chaosmcp(
         "memory", "--interval", "300ms", "--duration", "150ms", "--probability", "0.3",
         "--seed", "5", "--report", str(report), "--", *job,
-        env={"MCP_LANE": "stream"},
+        env={"MCP_LANE": "stream", "MCP_RESEND_LIMIT": "32"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]  # every all-reduce and broadcast exact
     s = json.loads(report.read_text())

@@ -4,7 +4,7 @@
 
     chaosmcp corrupt --probability 0.2 --mode flip_bits [--seed N] [--timeout S]
                      [--report FILE] -- CMD ...
-    chaosmcp memory --interval 5m --duration 100ms [--probability 0.3] [--seed N] -- CMD ...
+    chaosmcp memory --interval 5m --duration 100ms [--probability 0.05] [--seed N] -- CMD ...
 
 ``corrupt`` runs CMD with ``corrupt=P`` in ``MCP_CHAOS`` (merged into an ``MCP_CHAOS``
 already set: its other keys are kept, ``corrupt`` and ``seed`` are replaced), so that every
@@ -21,12 +21,14 @@ found damaged on the stream lane was sent again.
 
 ``memory`` runs CMD with memory errors in windows: for ``--duration`` every ``--interval``
 (the first window at each group's start), each payload a group sends or receives is damaged
-with probability ``--probability`` (default 0.3) — the send buffer after its checksum was
+with probability ``--probability`` (default 0.05) — the send buffer after its checksum was
 computed, the receive buffer before it is checked — through ``MCP_CHAOS`` keys
 ``corrupt=P,corrupt_every=...,corrupt_for=...``. The checksums must catch every one and the
 resend repair it; the summary says how many payloads were damaged on purpose and how many
-failed their checksum. A probability of 1 would damage every resend inside a window too, and
-the frame fails with ``ProtocolError`` after ``MCP_RESEND_LIMIT`` tries: keep it below 1.
+failed their checksum. Resends inside a window are damaged too: a try fails with probability
+about 2P (sent and received), and a frame fails with ``ProtocolError`` once
+``MCP_RESEND_LIMIT`` (8) + 1 tries in a row fail, i.e. with probability (2P)^9 per frame in a
+window — 1e-9 at the default, 2e-3 at P = 0.3. Raise ``MCP_RESEND_LIMIT`` for heavier damage.
 
 Exit status: CMD's own, or 128+N when it was ended by signal N; 124 when ``--timeout``
 expired; 2 when chaosmcp itself could not run (bad arguments, CMD not found, ``memory``).
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--interval", type=_duration, required=True, help="a window every, e.g. 5m")
     m.add_argument("--duration", type=_duration, required=True, help="each lasting, e.g. 100ms")
     m.add_argument(
-        "--probability", type=_probability, default=0.3, help="per payload, in windows (0.3)"
+        "--probability", type=_probability, default=0.05, help="per payload, in windows (0.05)"
     )
     m.add_argument("--seed", type=int, help="seed of the fault injector (MCP_CHAOS seed=)")
     m.add_argument("--timeout", type=_timeout, help="kill CMD after this many seconds (124)")
