@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import mcp_fast as mcp
-from workers import DTYPES, OPS, data
+from workers import all_reduce_sweep, data
 
 
 def every_collective(rank: int, world: int, hosts: list[str], sizes: list[int]) -> dict[str, Any]:
@@ -16,15 +16,7 @@ def every_collective(rank: int, world: int, hosts: list[str], sizes: list[int]) 
     out: dict[str, Any] = {}
     with mcp.init(timeout=60) as g:
         out["topology"] = g.topology()["host_of_rank"]
-        for algo in ["auto", "hierarchical", "ring"]:
-            for dtype in DTYPES:
-                for op in OPS:
-                    if op == "avg" and not dtype.startswith("float"):
-                        continue
-                    for n in sizes:
-                        a = data(dtype, op, rank, n)
-                        g.all_reduce(a, op=op, algorithm=algo)
-                        out[f"all_reduce/{algo}/{dtype}/{op}/{n}"] = a
+        out.update(all_reduce_sweep(g, rank, ["auto", "hierarchical", "ring"], sizes))
         for root in range(world):
             for n in sizes:
                 b = data("int64", "sum", rank, n, salt=root)

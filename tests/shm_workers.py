@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 import mcp_fast as mcp
-from workers import DTYPES, OPS, data
+from workers import all_reduce_sweep, data
 
 
 def shm_mappings() -> int:
@@ -23,16 +23,7 @@ def shm_mappings() -> int:
 
 
 def _collectives(g: mcp.Group, rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for algo in ["ring", "tree", "recursive_doubling"]:
-        for dtype in DTYPES:
-            for op in OPS:
-                if op == "avg" and not dtype.startswith("float"):
-                    continue
-                for n in sizes:
-                    a = data(dtype, op, rank, n)
-                    g.all_reduce(a, op=op, algorithm=algo)
-                    out[f"all_reduce/{algo}/{dtype}/{op}/{n}"] = a
+    out = all_reduce_sweep(g, rank, ["ring", "tree", "recursive_doubling"], sizes)
     for n in sizes:
         root = n % world
         b = data("int64", "sum", rank, n, salt=root) if rank == root else np.zeros(n, "int64")

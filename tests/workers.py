@@ -27,19 +27,28 @@ def data(dtype: str, op: str, rank: int, n: int, salt: int = 0) -> np.ndarray:
     return (h - 4).astype(dtype)
 
 
+def all_reduce_sweep(
+    g: mcp.Group, rank: int, algorithms: list[str], sizes: list[int]
+) -> dict[str, Any]:
+    """Every algorithm x dtype x op x size of all_reduce on ``data``, keyed by what it ran."""
+    out: dict[str, Any] = {}
+    for algo in algorithms:
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and not dtype.startswith("float"):
+                    continue
+                for n in sizes:
+                    a = data(dtype, op, rank, n)
+                    g.all_reduce(a, op=op, algorithm=algo)
+                    out[f"all_reduce/{algo}/{dtype}/{op}/{n}"] = a
+    return out
+
+
 def every_collective(rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with mcp.init(timeout=60) as g:
         assert (g.rank, g.world_size) == (rank, world)
-        for algo in ["auto", "ring", "tree", "recursive_doubling"]:
-            for dtype in DTYPES:
-                for op in OPS:
-                    if op == "avg" and not dtype.startswith("float"):
-                        continue
-                    for n in sizes:
-                        a = data(dtype, op, rank, n)
-                        g.all_reduce(a, op=op, algorithm=algo)
-                        out[f"all_reduce/{algo}/{dtype}/{op}/{n}"] = a
+        out.update(all_reduce_sweep(g, rank, ["auto", "ring", "tree", "recursive_doubling"], sizes))
         for root in range(world):
             for n in sizes:
                 b = (
