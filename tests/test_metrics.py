@@ -39,6 +39,7 @@ TRANSPORT = {
     "quic_sent_packets",
     "quic_lost_packets",
     "reconnects",
+    "resumed_frames",
     "zero_rtt_accepted",
     "zero_rtt_rejected",
     "duplicate_frames",

@@ -138,6 +138,7 @@ _TRANSPORT_HELP = {
     "quic_sent_packets": "QUIC packets sent on the connections open now",
     "quic_lost_packets": "QUIC packets declared lost on the connections open now",
     "reconnects": "Connections that broke while their peer lived and were re-established",
+    "resumed_frames": "Frames sent again on a new connection, unacknowledged when one broke",
     "zero_rtt_accepted": "Reconnections whose 0-RTT data the peer accepted",
     "zero_rtt_rejected": "Reconnections whose 0-RTT data the peer refused (a full handshake)",
     "duplicate_frames": "Copies of frames already received (resent across a reconnection)",

@@ -386,3 +386,57 @@ async fn stream_lane_sends_no_shards() {
         assert!(t.stats().frames_sent.load(Relaxed) > 2);
     }
 }
+
+/// A reset right after an FEC-lane frame was handed to QUIC cuts the transfer off before the
+/// receiver rebuilt it, often before it even saw the announcement. The connection comes
+/// back and every frame arrives, exact and once: the sender sends what lacked a DONE again,
+/// and the receiver files nothing from a transfer cut off with its connection (no error for
+/// a peer that is still there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
+    use mcp_core::transport::quic::LanePolicy;
+    use mcp_core::transport::{Lane, MsgKey};
+    use mcp_core::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+    use std::sync::atomic::Ordering::Relaxed;
+    const ROUNDS: u64 = 8;
+    let ts = mesh_with(2, |c| c.bulk.policy = LanePolicy::Fec).await;
+    let (rx, tx) = (ts[0].clone(), ts[1].clone());
+    for seq in 0..ROUNDS {
+        let n = 4 * (250_001 + seq as usize);
+        let payload: Vec<u8> = (0..n).map(|j| (j * 31 + seq as usize) as u8).collect();
+        let header = Header {
+            kind: FrameKind::Send,
+            minor: PROTOCOL_MINOR,
+            seq,
+            step: 0,
+            chunk: 0,
+            chunk_count: 1,
+            src: 1,
+            aux: 0,
+            spec: ModelSpec::flat(DType::I32, ReduceOp::None, n / 4),
+            payload_len: n as u64,
+            payload_crc: crc32c::crc32c(&payload),
+        };
+        tx.send_frame(0, &header, &payload).await.expect("send");
+        tx.chaos_reset();
+        let key = MsgKey {
+            src: 1,
+            lane: Lane::P2p,
+            seq,
+            step: 0,
+            chunk: 0,
+        };
+        let got = tokio::time::timeout(Duration::from_secs(60), rx.mailbox().recv(key))
+            .await
+            .unwrap_or_else(|_| panic!("frame {seq} never came"))
+            .unwrap_or_else(|e| panic!("frame {seq} failed: {e}"));
+        assert!(got.payload.to_vec() == payload, "frame {seq} differs");
+    }
+    assert!(tx.stats().reconnects.load(Relaxed) >= ROUNDS);
+    assert!(tx.stats().bulk_frames_sent.load(Relaxed) >= ROUNDS);
+    // The reset comes before the receiver's DONE can: the transfers went again.
+    assert!(tx.stats().resumed_frames.load(Relaxed) >= 1);
+    for t in ts {
+        t.shutdown().await;
+    }
+}

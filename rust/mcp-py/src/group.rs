@@ -346,6 +346,7 @@ impl ProcessGroup {
             ("corrupt_frames", s.corrupt_frames.load(Relaxed)),
             ("retransmits", s.retransmits.load(Relaxed)),
             ("reconnects", s.reconnects.load(Relaxed)),
+            ("resumed_frames", s.resumed_frames.load(Relaxed)),
             ("zero_rtt_accepted", s.zero_rtt_accepted.load(Relaxed)),
             ("zero_rtt_rejected", s.zero_rtt_rejected.load(Relaxed)),
             ("duplicate_frames", t.mailbox_duplicates()),

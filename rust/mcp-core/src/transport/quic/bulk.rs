@@ -372,7 +372,10 @@ fn block_shape(len: usize, max_dg: usize, bulk: BulkConfig) -> Result<(u16, usiz
 async fn drained(t: &QuicTransport, peer: usize, conn: &Connection) {
     let want = t.queued_datagrams(peer, conn);
     let until = Instant::now() + Duration::from_secs(2);
-    while conn.stats().frame_tx.datagram < want && Instant::now() < until {
+    while conn.stats().frame_tx.datagram < want
+        && conn.close_reason().is_none()
+        && Instant::now() < until
+    {
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
 }
@@ -489,10 +492,16 @@ async fn serve_repairs(
         Repairs::Done => {
             let _ = send.finish();
         }
-        // The stream or the connection broke: a reconnection resends what lacks a verdict,
-        // the receiver's wait fails with the connection otherwise.
+        // The connection broke before DONE: the receiver may not even have seen the
+        // transfer, so the frame goes again on the next connection (a copy it filed already
+        // is dropped). A stream the receiver reset on a live connection carried its verdict.
         Repairs::Broken => {
             let _ = send.reset(quinn::VarInt::from_u32(FAILED));
+            if conn.close_reason().is_some() {
+                if let Some(t) = me.upgrade() {
+                    t.resend_after_break(peer, conn, header, tx.payload()).await;
+                }
+            }
         }
         Repairs::Unfinished => {
             let Some(t) = me.upgrade() else { return };
@@ -780,6 +789,8 @@ pub(super) async fn receive_transfer(
                 }
             }
         }
+        // Cut off with its connection: the connection's end decides (see `reconnect`).
+        Err(_) if conn.close_reason().is_some() => return Ok(()),
         Err(e) => {
             let _ = send.reset(quinn::VarInt::from_u32(1));
             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);

@@ -28,8 +28,13 @@ const DATAGRAM_SEND_BUFFER: usize = 4 << 20;
 /// Datagram payload on loopback.
 const LOOPBACK_MTU: u16 = 65_000;
 /// Smallest datagram payload on loopback: room for a 15 KiB FEC shard and its headers, and
-/// below the 16 KiB that quinn's padded Initial packets may take.
+/// no larger than [`LONG_HEADER_MTU`].
 const LOOPBACK_MIN_MTU: u16 = 16_000;
+/// Largest datagram to start a connection with. Until the handshake completes, packets carry
+/// a long header, whose length field holds less than 16 KiB (quinn-proto 0.11 asserts it,
+/// and the assertion kills the connection's driver): a resumed connection's 0-RTT data fills
+/// whole packets of the current MTU. MTU discovery raises it once the handshake is done.
+const LONG_HEADER_MTU: u16 = 16_000;
 
 /// Ack-eliciting packets a peer may receive before it must ACK (QUIC's default is 1: an ACK
 /// for every second packet).
@@ -99,10 +104,11 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<T
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(LOOPBACK_MTU);
         t.mtu_discovery_config(Some(mtu));
-        // Start at the top, and never fall far: under heavy random loss quinn's black-hole
-        // detector would otherwise take the MTU down to 1200 bytes again and again (and FEC
-        // shards planned for the larger size would no longer fit).
-        t.initial_mtu(LOOPBACK_MTU);
+        // Start high (discovery climbs the rest within a few round trips), and never fall
+        // far: under heavy random loss quinn's black-hole detector would otherwise take the
+        // MTU down to 1200 bytes again and again (and FEC shards planned for the larger size
+        // would no longer fit).
+        t.initial_mtu(LOOPBACK_MIN_MTU.min(LONG_HEADER_MTU));
         t.min_mtu(LOOPBACK_MIN_MTU);
         t.enable_segmentation_offload(false);
     }
@@ -112,8 +118,8 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<T
         let mut d = quinn::MtuDiscoveryConfig::default();
         d.upper_bound(m);
         t.mtu_discovery_config(Some(d));
-        t.initial_mtu(m);
-        t.min_mtu(m);
+        t.initial_mtu(m.min(LONG_HEADER_MTU));
+        t.min_mtu(m.min(LONG_HEADER_MTU));
     }
     Ok(t)
 }

@@ -227,6 +227,9 @@ pub struct QuicStats {
     pub repair_shards: AtomicU64,
     /// Connections that broke while their peer lived and were dialled or awaited again.
     pub reconnects: AtomicU64,
+    /// Frames sent again on a new connection because the one they went on broke before the
+    /// receiver acknowledged them (a stream-lane verdict or an FEC-lane DONE).
+    pub resumed_frames: AtomicU64,
     /// Reconnections whose 0-RTT data the peer accepted (resumed sessions).
     pub zero_rtt_accepted: AtomicU64,
     /// Reconnections whose 0-RTT data the peer refused (it had no session: a full handshake
@@ -1259,9 +1262,11 @@ async fn read_loop(me: Weak<QuicTransport>, conn: Connection, mut peer: Option<u
                 let received = received.clone();
                 active.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
-                    if let Err(e) =
-                        read_stream(&me, &conn, stream, &known, &active, &received).await
-                    {
+                    let res = read_stream(&me, &conn, stream, &known, &active, &received).await;
+                    // A frame cut off with its connection says nothing about the peer: the
+                    // connection's end decides (see `reconnect`).
+                    let cut = conn.close_reason().is_some();
+                    if let (Err(e), false) = (res, cut) {
                         if let Some(t) = me.upgrade() {
                             t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
                             // A frame we cannot trust: say so to whoever waits on that peer.
@@ -1358,7 +1363,10 @@ async fn accept_bi_loop(
                         })
                 }
             };
-            if let Err(e) = res {
+            // A frame cut off with its connection says nothing about the peer: the
+            // connection's end decides (see `reconnect`).
+            let cut = conn.close_reason().is_some();
+            if let (Err(e), false) = (res, cut) {
                 if let Some(t) = me.upgrade() {
                     t.stats.corrupt_frames.fetch_add(1, Ordering::Relaxed);
                     // A peer we cannot trust: say so to whoever waits on it.

@@ -8,16 +8,20 @@
 //! frames in 0-RTT data) and the lower one waits for it, for at most the reconnection
 //! budget; only then is the peer lost. Meanwhile the operations in flight wait, and resume
 //! from what the receiver acknowledged: a stream-lane frame without an OK verdict is sent
-//! again on the new connection ([`super::stream_lane`]), a frame whose send failed is sent
-//! again whole, and the receiver drops a copy of a frame it already filed ([`Mailbox`]).
+//! again on the new connection ([`super::stream_lane`]), so is an FEC-lane transfer without
+//! its DONE ([`QuicTransport::resend_after_break`]), a frame whose send failed is sent again
+//! whole, and the receiver drops a copy of a frame it already filed ([`Mailbox`]). A frame
+//! cut off on the receiving side files nothing: the connection's end decides, a lost peer
+//! failing every wait on it, a transient end bringing the sender's copy again.
 //!
 //! An end that says something about the peer is not transient: a goodbye, our own close, a
 //! refused handshake, the other side declaring us silent, a protocol error.
 //!
 //! [`Mailbox`]: crate::transport::Mailbox
 
-use super::{close_code, QuicTransport};
+use super::{close_code, QuicTransport, SEND_RETRIES};
 use crate::error::Error;
+use crate::wire::Header;
 use quinn::{Connection, ConnectionError};
 use std::future::Future;
 use std::pin::Pin;
@@ -132,6 +136,33 @@ async fn reconnect_now(
             }
             // Wake the sends waiting for the new connection: they see the loss.
             slot.conn.send_modify(|_| {});
+        }
+    }
+}
+
+impl QuicTransport {
+    /// Sends a data frame again, on the stream lane of the connection that replaces `broken`,
+    /// because `broken` ended before the receiver acknowledged it. Gives up when the peer is
+    /// lost (its waits fail with it) or after [`SEND_RETRIES`] connections broke in a row.
+    pub(super) async fn resend_after_break(
+        &self,
+        peer: usize,
+        broken: &Connection,
+        header: &Header,
+        payload: &[u8],
+    ) {
+        let mut failed = broken.clone();
+        for _ in 0..SEND_RETRIES {
+            let Ok(conn) = self.next_conn(peer, &failed).await else {
+                return;
+            };
+            self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
+            match self.write_checked(peer, &conn, header, payload).await {
+                Err(e) if e.is_connection() && !self.closing.load(Ordering::Acquire) => {
+                    failed = conn;
+                }
+                _ => return,
+            }
         }
     }
 }

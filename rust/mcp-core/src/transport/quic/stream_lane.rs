@@ -161,6 +161,7 @@ async fn await_verdicts(
                 Ok(c) => conn = c,
                 Err(_) => return,
             }
+            t.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
         } else {
             t.stats.retransmits.fetch_add(1, Ordering::Relaxed);
         }
