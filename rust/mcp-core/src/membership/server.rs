@@ -32,6 +32,8 @@ const MAX_WAIT: Duration = Duration::from_secs(5);
 const TICK: Duration = Duration::from_millis(50);
 /// QUIC's own idle limit on a member's connection (liveness is judged by heartbeats).
 const CONN_IDLE: Duration = Duration::from_secs(10);
+/// Longest `close` waits for each step of releasing the sockets.
+const CLOSE_STEP: Duration = Duration::from_secs(2);
 /// How long a new tether has to name its registration.
 const TETHER_HELLO: Duration = Duration::from_secs(5);
 
@@ -62,6 +64,9 @@ pub struct CoordinatorServer {
     inner: Arc<Inner>,
     /// Taken by `close`: the last handle dropped frees the UDP port.
     endpoint: Mutex<Option<Endpoint>>,
+    /// The accept loop (it holds an endpoint handle) and the tether listener, joined by
+    /// `close` so that both ports are free when it returns.
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     addr: SocketAddr,
 }
 
@@ -111,25 +116,26 @@ impl CoordinatorServer {
             refused: AtomicU64::new(0),
             requests: AtomicU64::new(0),
         });
-        tokio::spawn(endpoint::accept_authenticated(
+        let mut tasks = vec![tokio::spawn(endpoint::accept_authenticated(
             b.endpoint.clone(),
             inner.clone(),
             |i: &Inner| {
                 i.refused.fetch_add(1, Ordering::Relaxed);
             },
             serve_conn,
-        ));
+        ))];
         tokio::spawn(timer(Arc::downgrade(&inner)));
         if let Some(l) = tethers {
-            tokio::spawn(tether_loop(
+            tasks.push(tokio::spawn(tether_loop(
                 Arc::downgrade(&inner),
                 l,
                 inner.version.subscribe(),
-            ));
+            )));
         }
         Ok(CoordinatorServer {
             inner,
             endpoint: Mutex::new(Some(b.endpoint)),
+            tasks: Mutex::new(tasks),
             addr,
         })
     }
@@ -159,7 +165,8 @@ impl CoordinatorServer {
         self.inner.requests.load(Ordering::Relaxed)
     }
 
-    /// Stops serving and releases the socket.
+    /// Stops serving and releases the sockets: once it returns (within a few seconds at
+    /// most), a coordinator restarted on the same port can bind it.
     pub async fn close(&self) {
         if self.inner.closing.swap(true, Ordering::AcqRel) {
             return;
@@ -172,7 +179,17 @@ impl CoordinatorServer {
             .take();
         if let Some(ep) = ep {
             ep.close(VarInt::from_u32(close_code::GOODBYE), b"coordinator closed");
-            let _ = tokio::time::timeout(Duration::from_secs(2), ep.wait_idle()).await;
+            let _ = tokio::time::timeout(CLOSE_STEP, ep.wait_idle()).await;
+        }
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in tasks {
+            let _ = tokio::time::timeout(CLOSE_STEP, t).await;
+        }
+        // The last endpoint handle is gone; quinn's driver task drops the UDP socket on
+        // its next poll, which no handle can await: look for the port being free.
+        let until = Instant::now() + CLOSE_STEP;
+        while std::net::UdpSocket::bind(self.addr).is_err() && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }
