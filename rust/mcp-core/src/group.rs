@@ -10,7 +10,7 @@ use crate::collectives::{self, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::topology::Topology;
-use crate::transport::{encode_abort, Lane, MsgKey, Transport};
+use crate::transport::{encode_abort, MsgKey, SeqSpace, Transport};
 use crate::wire::{Codec, FrameKind, Header, ModelSpec, MAX_DIMS, PROTOCOL_MINOR};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -278,7 +278,7 @@ impl<T: Transport> Group<T> {
         Fut: Future<Output = Result<()>> + Send,
     {
         let inner = self.inner.clone();
-        let lane = Lane::of(kind);
+        let space = SeqSpace::of(kind);
         let owned = OpCtxOwned {
             kind,
             seq,
@@ -288,24 +288,24 @@ impl<T: Transport> Group<T> {
             timeout: inner.cfg.timeout,
             chunk_bytes: inner.cfg.chunk_bytes,
         };
-        if lane == Lane::Collective {
-            if let Some((earlier, e)) = inner.t.mailbox().take_earlier_remote_abort(lane, seq) {
+        if space == SeqSpace::Collective {
+            if let Some((earlier, e)) = inner.t.mailbox().take_earlier_remote_abort(space, seq) {
                 // An operation that completed here failed on another rank (a broadcast root
                 // finishes before any receiver can object): report it now, not never.
                 let e = e.earlier(earlier);
                 return Box::pin(async move { Err(e) });
             }
         }
-        if lane == Lane::Collective {
+        if space == SeqSpace::Collective {
             inner.t.op_started(seq);
         }
         Box::pin(async move {
             let mut res = body(inner.clone(), owned).await;
-            if lane == Lane::Collective {
+            if space == SeqSpace::Collective {
                 inner.t.op_finished(seq);
             }
             let mb = inner.t.mailbox();
-            if let Some(remote) = mb.take_remote_abort(lane, seq) {
+            if let Some(remote) = mb.take_remote_abort(space, seq) {
                 // A lost peer here may be one that reported the root cause and left: a send
                 // to it fails before this rank reads its abort. Report the cause.
                 let echo = matches!(res, Err(Error::PeerLost { .. }))
@@ -314,15 +314,15 @@ impl<T: Transport> Group<T> {
                     res = Err(remote);
                 }
             }
-            if res.is_err() && lane == Lane::Collective {
+            if res.is_err() && space == SeqSpace::Collective {
                 // A failure here may only be the echo of an earlier one elsewhere (a peer that
                 // left after reporting it): report the root cause.
-                if let Some((earlier, e)) = mb.take_earlier_remote_abort(lane, seq) {
+                if let Some((earlier, e)) = mb.take_earlier_remote_abort(space, seq) {
                     res = Err(e.earlier(earlier));
                 }
             }
             if let Err(e) = &res {
-                mb.abort(lane, seq, e.clone());
+                mb.abort(space, seq, e.clone());
                 // Every rank that fails tells every peer, even when it learnt of the failure
                 // from one: a peer that the first reporter could not reach still hears of it
                 // (peers ignore repeats), so no rank waits for the timeout.
@@ -331,12 +331,12 @@ impl<T: Transport> Group<T> {
                     let err = e.clone();
                     inner.aborts_in_flight.fetch_add(1, Ordering::AcqRel);
                     tokio::spawn(async move {
-                        send_aborts(inner2.t.clone(), lane, seq, err, peers).await;
+                        send_aborts(inner2.t.clone(), space, seq, err, peers).await;
                         inner2.aborts_in_flight.fetch_sub(1, Ordering::AcqRel);
                     });
                 }
             }
-            mb.purge(lane, seq);
+            mb.purge(space, seq);
             res
         })
     }
@@ -589,7 +589,7 @@ impl<T: Transport> Group<T> {
                     .filter(|&s| s != me)
                     .map(|s| MsgKey {
                         src: s,
-                        lane: Lane::P2p,
+                        space: SeqSpace::P2p,
                         seq: p2p_seq(s, g.inner.recv_seq[s].load(Ordering::Acquire)),
                         step: 0,
                         chunk: 0,
@@ -699,8 +699,14 @@ impl OpCtxOwned {
 const ABORT_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Tells `peers` that operation `seq` failed here, so that they stop waiting for it.
-async fn send_aborts<T: Transport>(t: Arc<T>, lane: Lane, seq: u64, err: Error, peers: Vec<usize>) {
-    let payload = encode_abort(lane, &err);
+async fn send_aborts<T: Transport>(
+    t: Arc<T>,
+    space: SeqSpace,
+    seq: u64,
+    err: Error,
+    peers: Vec<usize>,
+) {
+    let payload = encode_abort(space, &err);
     let header = Header {
         kind: FrameKind::Abort,
         minor: PROTOCOL_MINOR,

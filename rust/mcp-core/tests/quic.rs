@@ -395,7 +395,7 @@ async fn stream_lane_sends_no_shards() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
     use mcp_core::transport::quic::LanePolicy;
-    use mcp_core::transport::{Lane, MsgKey};
+    use mcp_core::transport::{MsgKey, SeqSpace};
     use mcp_core::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
     use std::sync::atomic::Ordering::Relaxed;
     const ROUNDS: u64 = 8;
@@ -421,7 +421,7 @@ async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
         tx.chaos_reset();
         let key = MsgKey {
             src: 1,
-            lane: Lane::P2p,
+            space: SeqSpace::P2p,
             seq,
             step: 0,
             chunk: 0,

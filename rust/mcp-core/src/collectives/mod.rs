@@ -36,7 +36,7 @@ pub use reduce_scatter_ring::reduce_scatter_ring;
 use crate::codec;
 use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
-use crate::transport::{Lane, MsgKey, Payload, Transport};
+use crate::transport::{MsgKey, Payload, SeqSpace, Transport};
 use crate::wire::{Codec, FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
 use std::ops::Range;
 use tokio::time::Instant;
@@ -141,8 +141,8 @@ impl<'a, T: Transport> OpCtx<'a, T> {
         }
     }
 
-    fn lane(&self) -> Lane {
-        Lane::of(self.kind)
+    fn space(&self) -> SeqSpace {
+        SeqSpace::of(self.kind)
     }
 
     /// Sends one chunk of step `step` to `peer`.
@@ -187,7 +187,7 @@ impl<'a, T: Transport> OpCtx<'a, T> {
         let (peer, step) = self.address(peer, step);
         let key = MsgKey {
             src: peer,
-            lane: self.lane(),
+            space: self.space(),
             seq: self.seq,
             step,
             chunk: chunk as u32,
@@ -198,7 +198,7 @@ impl<'a, T: Transport> OpCtx<'a, T> {
             Err(_) => {
                 // A frame under this number that we never asked for means the peer ran a
                 // different operation (or the same one with another algorithm or size).
-                if let Some(h) = self.t.mailbox().peek_header(self.lane(), self.seq) {
+                if let Some(h) = self.t.mailbox().peek_header(self.space(), self.seq) {
                     self.check(&h)?;
                 }
                 return Err(self.timeout(peer, step, chunk, "waiting for"));

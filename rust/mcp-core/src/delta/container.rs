@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Mutex};
 
 use super::byteplane::{self, Transform};
-use super::dtype::{DType, Lane};
+use super::dtype::{DType, ElementDiff};
 use super::entropy::{Method, PlaneDecoder, PlaneEncoder};
 use super::error::{DeltaError, Result};
 use super::lossy;
@@ -271,10 +271,10 @@ fn hash_in_order(chunks: usize, rx: mpsc::Receiver<(usize, &[u8])>) -> Option<u6
 }
 
 fn lossless_transform(dtype: DType) -> Transform {
-    match dtype.lane() {
-        Lane::Bits => Transform::Xor,
-        Lane::Int => Transform::IntSub,
-        Lane::Float => Transform::FloatSub,
+    match dtype.element_diff() {
+        ElementDiff::Bits => Transform::Xor,
+        ElementDiff::Int => Transform::IntSub,
+        ElementDiff::Float => Transform::FloatSub,
     }
 }
 

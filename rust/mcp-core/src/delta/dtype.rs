@@ -62,7 +62,7 @@ const ALL: [DType; 15] = [
 
 /// How the bits of one element are compared with the previous element's bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Lane {
+pub(crate) enum ElementDiff {
     /// Opaque bytes: XOR.
     Bits,
     /// Integers: wrapping difference, zigzag-coded.
@@ -98,13 +98,13 @@ impl DType {
         }
     }
 
-    pub(crate) fn lane(self) -> Lane {
+    pub(crate) fn element_diff(self) -> ElementDiff {
         match self {
-            DType::Bool | DType::U8 => Lane::Bits,
-            DType::I8 | DType::I16 | DType::U16 | DType::I32 | DType::U32 => Lane::Int,
-            DType::I64 | DType::U64 => Lane::Int,
+            DType::Bool | DType::U8 => ElementDiff::Bits,
+            DType::I8 | DType::I16 | DType::U16 | DType::I32 | DType::U32 => ElementDiff::Int,
+            DType::I64 | DType::U64 => ElementDiff::Int,
             DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::C64 | DType::C128 => {
-                Lane::Float
+                ElementDiff::Float
             }
         }
     }

@@ -21,7 +21,7 @@ pub struct Frame {
 
 /// Which sequence space a message belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Lane {
+pub enum SeqSpace {
     /// Rendezvous and connection management.
     Control,
     /// Collectives: sequence numbers are per group, in call order.
@@ -30,28 +30,28 @@ pub enum Lane {
     P2p,
 }
 
-impl Lane {
-    /// The lane a frame kind travels on.
-    pub fn of(kind: FrameKind) -> Lane {
+impl SeqSpace {
+    /// The sequence space of a frame kind.
+    pub fn of(kind: FrameKind) -> SeqSpace {
         match kind {
             FrameKind::Hello | FrameKind::Table | FrameKind::Goodbye | FrameKind::Progress => {
-                Lane::Control
+                SeqSpace::Control
             }
-            FrameKind::Send => Lane::P2p,
-            _ => Lane::Collective,
+            FrameKind::Send => SeqSpace::P2p,
+            _ => SeqSpace::Collective,
         }
     }
 
     fn code(self) -> u8 {
         match self {
-            Lane::Control => 0,
-            Lane::Collective => 1,
-            Lane::P2p => 2,
+            SeqSpace::Control => 0,
+            SeqSpace::Collective => 1,
+            SeqSpace::P2p => 2,
         }
     }
 
-    fn from_code(c: u8) -> Option<Lane> {
-        [Lane::Control, Lane::Collective, Lane::P2p]
+    fn from_code(c: u8) -> Option<SeqSpace> {
+        [SeqSpace::Control, SeqSpace::Collective, SeqSpace::P2p]
             .into_iter()
             .find(|l| l.code() == c)
     }
@@ -63,7 +63,7 @@ pub struct MsgKey {
     /// The sending rank.
     pub src: usize,
     /// The sequence space.
-    pub lane: Lane,
+    pub space: SeqSpace,
     /// The operation's sequence number.
     pub seq: u64,
     /// The algorithm step.
@@ -77,7 +77,7 @@ impl MsgKey {
     pub fn of(h: &Header) -> MsgKey {
         MsgKey {
             src: h.src as usize,
-            lane: Lane::of(h.kind),
+            space: SeqSpace::of(h.kind),
             seq: h.seq,
             step: h.step,
             chunk: h.chunk,
@@ -94,9 +94,9 @@ enum Slot {
 struct Inner {
     slots: HashMap<MsgKey, Slot>,
     lost_peers: HashMap<usize, Error>,
-    aborted: HashMap<(Lane, u64), Error>,
-    aborted_order: VecDeque<(Lane, u64)>,
-    remote_aborts: VecDeque<(Lane, u64, Error)>,
+    aborted: HashMap<(SeqSpace, u64), Error>,
+    aborted_order: VecDeque<(SeqSpace, u64)>,
+    remote_aborts: VecDeque<(SeqSpace, u64, Error)>,
     /// Set when a member was lost: no collective can complete without it.
     revoked: Option<Error>,
     closed: Option<Error>,
@@ -138,7 +138,7 @@ impl Mailbox {
     /// false for a copy of a frame filed before, which is dropped.
     pub fn deliver(&self, key: MsgKey, item: Result<Frame>) -> bool {
         let mut inner = self.lock();
-        if inner.aborted.contains_key(&(key.lane, key.seq)) {
+        if inner.aborted.contains_key(&(key.space, key.seq)) {
             return true;
         }
         if item.is_ok() {
@@ -199,10 +199,12 @@ impl Mailbox {
         let src = frame.header.src as usize;
         match frame.header.kind {
             FrameKind::Abort => {
-                let (lane, err) = decode_abort(src, &frame.payload.to_vec());
-                if self.abort(lane, frame.header.seq, err.clone()) {
+                let (space, err) = decode_abort(src, &frame.payload.to_vec());
+                if self.abort(space, frame.header.seq, err.clone()) {
                     let mut inner = self.lock();
-                    inner.remote_aborts.push_back((lane, frame.header.seq, err));
+                    inner
+                        .remote_aborts
+                        .push_back((space, frame.header.seq, err));
                     while inner.remote_aborts.len() > ABORT_MEMORY {
                         inner.remote_aborts.pop_front();
                     }
@@ -228,7 +230,7 @@ impl Mailbox {
             if let Some(e) = &inner.closed {
                 return Err(e.clone());
             }
-            if let Some(e) = inner.aborted.get(&(key.lane, key.seq)) {
+            if let Some(e) = inner.aborted.get(&(key.space, key.seq)) {
                 return Err(e.clone());
             }
             match inner.slots.remove(&key) {
@@ -238,7 +240,7 @@ impl Mailbox {
             if let Some(e) = inner.lost_peers.get(&key.src) {
                 return Err(e.clone());
             }
-            if key.lane == Lane::Collective {
+            if key.space == SeqSpace::Collective {
                 if let Some(e) = &inner.revoked {
                     return Err(e.clone());
                 }
@@ -279,7 +281,7 @@ impl Mailbox {
             .slots
             .iter()
             .filter(|(k, s)| {
-                (k.src == peer || (revoke && k.lane == Lane::Collective))
+                (k.src == peer || (revoke && k.space == SeqSpace::Collective))
                     && matches!(s, Slot::Waiting(_))
             })
             .map(|(k, _)| *k)
@@ -296,15 +298,15 @@ impl Mailbox {
         self.lock().lost_peers.get(&peer).cloned()
     }
 
-    /// Fails every current and future wait of operation `seq` on `lane` with `err`, and drops
+    /// Fails every current and future wait of operation `seq` in `space` with `err`, and drops
     /// what was filed for it. Returns false if it was already aborted.
-    pub fn abort(&self, lane: Lane, seq: u64, err: Error) -> bool {
+    pub fn abort(&self, space: SeqSpace, seq: u64, err: Error) -> bool {
         let mut inner = self.lock();
-        if inner.aborted.contains_key(&(lane, seq)) {
+        if inner.aborted.contains_key(&(space, seq)) {
             return false;
         }
-        inner.aborted.insert((lane, seq), err.clone());
-        inner.aborted_order.push_back((lane, seq));
+        inner.aborted.insert((space, seq), err.clone());
+        inner.aborted_order.push_back((space, seq));
         while inner.aborted_order.len() > ABORT_MEMORY {
             if let Some(old) = inner.aborted_order.pop_front() {
                 inner.aborted.remove(&old);
@@ -313,7 +315,7 @@ impl Mailbox {
         let keys: Vec<MsgKey> = inner
             .slots
             .keys()
-            .filter(|k| k.lane == lane && k.seq == seq)
+            .filter(|k| k.space == space && k.seq == seq)
             .copied()
             .collect();
         for k in keys {
@@ -326,16 +328,16 @@ impl Mailbox {
         true
     }
 
-    /// Resolves with the error once operation `seq` on `lane` is aborted (by us or a peer),
+    /// Resolves with the error once operation `seq` in `space` is aborted (by us or a peer),
     /// so that a send blocked on a slow or absent peer stops too.
-    pub async fn aborted(&self, lane: Lane, seq: u64) -> Error {
+    pub async fn aborted(&self, space: SeqSpace, seq: u64) -> Error {
         loop {
             let notified = self.aborts.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
                 let inner = self.lock();
-                if let Some(e) = inner.aborted.get(&(lane, seq)).or(inner.closed.as_ref()) {
+                if let Some(e) = inner.aborted.get(&(space, seq)).or(inner.closed.as_ref()) {
                     return e.clone();
                 }
             }
@@ -345,44 +347,46 @@ impl Mailbox {
 
     /// Takes the abort a peer sent for operation `seq`, if any (an operation that succeeded
     /// here, such as a broadcast root's, may still have failed elsewhere).
-    pub fn take_remote_abort(&self, lane: Lane, seq: u64) -> Option<Error> {
+    pub fn take_remote_abort(&self, space: SeqSpace, seq: u64) -> Option<Error> {
         let mut inner = self.lock();
         let at = inner
             .remote_aborts
             .iter()
-            .position(|(l, s, _)| *l == lane && *s == seq)?;
+            .position(|(l, s, _)| *l == space && *s == seq)?;
         inner.remote_aborts.remove(at).map(|(_, _, e)| e)
     }
 
     /// Takes the oldest abort a peer sent for an operation numbered below `seq`.
-    pub fn take_earlier_remote_abort(&self, lane: Lane, seq: u64) -> Option<(u64, Error)> {
+    pub fn take_earlier_remote_abort(&self, space: SeqSpace, seq: u64) -> Option<(u64, Error)> {
         let mut inner = self.lock();
         let at = inner
             .remote_aborts
             .iter()
-            .position(|(l, s, _)| *l == lane && *s < seq)?;
+            .position(|(l, s, _)| *l == space && *s < seq)?;
         inner.remote_aborts.remove(at).map(|(_, s, e)| (s, e))
     }
 
-    /// The header of any frame filed for operation `seq` on `lane` (to explain a timeout:
+    /// The header of any frame filed for operation `seq` in `space` (to explain a timeout:
     /// a peer that sent something else under this number ran another operation).
-    pub fn peek_header(&self, lane: Lane, seq: u64) -> Option<Header> {
+    pub fn peek_header(&self, space: SeqSpace, seq: u64) -> Option<Header> {
         let inner = self.lock();
         inner.slots.iter().find_map(|(k, s)| match s {
-            Slot::Ready(Ok(f)) if k.lane == lane && k.seq == seq => Some(f.header.clone()),
+            Slot::Ready(Ok(f)) if k.space == space && k.seq == seq => Some(f.header.clone()),
             _ => None,
         })
     }
 
-    /// True when operation `seq` on `lane` was aborted (by us or by a peer).
-    pub fn is_aborted(&self, lane: Lane, seq: u64) -> bool {
-        self.lock().aborted.contains_key(&(lane, seq))
+    /// True when operation `seq` in `space` was aborted (by us or by a peer).
+    pub fn is_aborted(&self, space: SeqSpace, seq: u64) -> bool {
+        self.lock().aborted.contains_key(&(space, seq))
     }
 
     /// Drops whatever is still filed for operation `seq` (after it finished or failed).
-    pub fn purge(&self, lane: Lane, seq: u64) {
+    pub fn purge(&self, space: SeqSpace, seq: u64) {
         let mut inner = self.lock();
-        inner.slots.retain(|k, _| !(k.lane == lane && k.seq == seq));
+        inner
+            .slots
+            .retain(|k, _| !(k.space == space && k.seq == seq));
     }
 
     /// Fails every wait, now and later, with `err`.
@@ -407,7 +411,7 @@ impl Mailbox {
 }
 
 /// Encodes why an operation failed, for an [`FrameKind::Abort`] frame.
-pub fn encode_abort(lane: Lane, err: &Error) -> Vec<u8> {
+pub fn encode_abort(space: SeqSpace, err: &Error) -> Vec<u8> {
     let (code, rank, text) = match err {
         Error::SpecMismatch(m) => (1u8, u32::MAX, m.clone()),
         Error::PeerLost { rank, op, reason } => (2, *rank as u32, format!("{op}\u{1f}{reason}")),
@@ -421,21 +425,21 @@ pub fn encode_abort(lane: Lane, err: &Error) -> Vec<u8> {
         Error::PeerStalled { rank, op, reason } => (7, *rank as u32, format!("{op}\u{1f}{reason}")),
         other => (6, u32::MAX, other.to_string()),
     };
-    let mut out = vec![lane.code(), code];
+    let mut out = vec![space.code(), code];
     out.extend_from_slice(&rank.to_le_bytes());
     out.extend_from_slice(text.as_bytes());
     out
 }
 
 /// Decodes an abort payload from rank `src`; never panics.
-pub fn decode_abort(src: usize, payload: &[u8]) -> (Lane, Error) {
+pub fn decode_abort(src: usize, payload: &[u8]) -> (SeqSpace, Error) {
     if payload.len() < 6 {
         return (
-            Lane::Collective,
+            SeqSpace::Collective,
             Error::Protocol(format!("rank {src} aborted with an unreadable reason")),
         );
     }
-    let lane = Lane::from_code(payload[0]).unwrap_or(Lane::Collective);
+    let space = SeqSpace::from_code(payload[0]).unwrap_or(SeqSpace::Collective);
     let rank = u32::from_le_bytes([payload[2], payload[3], payload[4], payload[5]]);
     let text = String::from_utf8_lossy(&payload[6..]).into_owned();
     let err = match payload[1] {
@@ -464,7 +468,7 @@ pub fn decode_abort(src: usize, payload: &[u8]) -> (Lane, Error) {
         }
         _ => Error::Io(format!("rank {src} failed: {text}")),
     };
-    (lane, err)
+    (space, err)
 }
 
 #[cfg(test)]
@@ -546,7 +550,7 @@ mod tests {
         assert_eq!(mb.recv(later).await.err(), Some(lost));
         // Point-to-point with the others goes on.
         let p2p = MsgKey {
-            lane: Lane::P2p,
+            space: SeqSpace::P2p,
             ..later
         };
         let (_, mut f) = frame(0, 8, 0);
@@ -602,8 +606,8 @@ mod tests {
     async fn abort_fails_the_operation_and_drops_late_frames() {
         let mb = Mailbox::new();
         let (k, f) = frame(1, 9, 0);
-        assert!(mb.abort(Lane::Collective, 9, Error::SpecMismatch("m".into())));
-        assert!(!mb.abort(Lane::Collective, 9, Error::SpecMismatch("m".into())));
+        assert!(mb.abort(SeqSpace::Collective, 9, Error::SpecMismatch("m".into())));
+        assert!(!mb.abort(SeqSpace::Collective, 9, Error::SpecMismatch("m".into())));
         mb.deliver(k, Ok(f));
         assert_eq!(mb.pending(), 0);
         assert!(matches!(mb.recv(k).await, Err(Error::SpecMismatch(_))));
@@ -621,8 +625,8 @@ mod tests {
             Error::InvalidArgument("bad".into()),
         ];
         for e in errs {
-            let (lane, back) = decode_abort(1, &encode_abort(Lane::P2p, &e));
-            assert_eq!(lane, Lane::P2p);
+            let (space, back) = decode_abort(1, &encode_abort(SeqSpace::P2p, &e));
+            assert_eq!(space, SeqSpace::P2p);
             assert_eq!(std::mem::discriminant(&back), std::mem::discriminant(&e));
         }
         let _ = decode_abort(0, &[1, 2, 3]);

@@ -11,7 +11,7 @@ mod payload;
 pub mod quic;
 pub mod shm;
 
-pub use mailbox::{decode_abort, encode_abort, Frame, Lane, Mailbox, MsgKey};
+pub use mailbox::{decode_abort, encode_abort, Frame, Mailbox, MsgKey, SeqSpace};
 pub use payload::Payload;
 
 use crate::error::Result;

@@ -23,7 +23,7 @@ pub fn local_ip_towards(target: std::net::SocketAddr) -> Result<std::net::IpAddr
     endpoint::local_ip_towards(target)
 }
 
-use super::{Frame, Lane, Mailbox, MsgKey, Transport, DEFAULT_RESEND_LIMIT, MAX_RESENDS};
+use super::{Frame, Mailbox, MsgKey, SeqSpace, Transport, DEFAULT_RESEND_LIMIT, MAX_RESENDS};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::wire::{FrameKind, Header, PROTOCOL_MAJOR, PROTOCOL_MINOR};
@@ -934,7 +934,8 @@ impl QuicTransport {
                 res => return res,
             }
         }
-        let data_frame = Lane::of(header.kind) != Lane::Control && header.kind != FrameKind::Abort;
+        let data_frame =
+            SeqSpace::of(header.kind) != SeqSpace::Control && header.kind != FrameKind::Abort;
         if data_frame {
             return self.write_checked(peer, conn, header, payload).await;
         }

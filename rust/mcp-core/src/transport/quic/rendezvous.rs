@@ -6,7 +6,7 @@ use super::{close_code, endpoint, tls, QuicConfig, QuicTransport};
 use crate::backoff::Backoff;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
-use crate::transport::{Lane, MsgKey, Transport};
+use crate::transport::{MsgKey, SeqSpace, Transport};
 use crate::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
 use quinn::crypto::rustls::QuicClientConfig;
 use quinn::{Connection, Endpoint, VarInt};
@@ -139,7 +139,7 @@ impl Entry {
 fn control_key(src: usize) -> MsgKey {
     MsgKey {
         src,
-        lane: Lane::Control,
+        space: SeqSpace::Control,
         seq: 0,
         step: 0,
         chunk: 0,
