@@ -196,6 +196,24 @@ def test_a_different_model_is_refused_at_admission_naming_both():
         c.close()
 
 
+def test_a_member_declaring_another_model_spec_is_refused_at_admission():
+    c = serve_coordinator("127.0.0.1:0", SECRET)
+    state = {"w": np.zeros(8, np.float32)}
+    try:
+        gpt = {"arch": "GPT-3", "precision": "bfloat16"}
+        a = _numpy_job(c.local_addr, state, secret=SECRET, model_spec=gpt)
+        llama = {"arch": "Llama-2", "precision": "bfloat16"}
+        with pytest.raises(mcp.SpecMismatchError) as ei:
+            _numpy_job(c.local_addr, state, secret=SECRET, model_spec=llama)
+        assert "GPT-3" in str(ei.value) and "Llama-2" in str(ei.value), ei.value
+        # The same declaration in another key order is the same model: admitted.
+        same = {"precision": "bfloat16", "arch": "GPT-3"}
+        _numpy_job(c.local_addr, state, secret=SECRET, model_spec=same).close()
+        a.close()
+    finally:
+        c.close()
+
+
 def test_another_job_secret_is_refused_at_the_handshake():
     c = serve_coordinator("127.0.0.1:0", SECRET)
     try:

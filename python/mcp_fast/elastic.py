@@ -20,6 +20,7 @@ state); :class:`mcp_fast.torch.ElasticDDP` wraps a torch model and optimizer wit
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -78,7 +79,9 @@ class ElasticJob:
 
     ``save()`` returns the training state as bytes and ``load(data)`` installs such bytes;
     ``spec`` describes the state (names, dtypes, shapes): the coordinator refuses a process
-    whose spec is not the job's, with :class:`~mcp_fast.SpecMismatchError` naming both.
+    whose spec is not the job's, with :class:`~mcp_fast.SpecMismatchError` naming both. A
+    declared Model-Spec (``model_spec=`` or ``MCP_MODEL_SPEC``, as for :func:`mcp_fast.init`)
+    is part of it: a process declaring another model is refused at admission too.
 
     The loop::
 
@@ -123,6 +126,9 @@ class ElasticJob:
                 "an elastic job needs a job secret, the same on the coordinator and every "
                 "member: set MCP_SECRET (e.g. $(openssl rand -hex 32)) or pass secret=..."
             )
+        if self._settings.model_spec is not None:
+            declared = json.dumps(self._settings.model_spec, sort_keys=True, separators=(",", ":"))
+            spec = f"{spec};model_spec:{declared}"
         hb = heartbeat if heartbeat is not None else env_float("MCP_ELASTIC_HEARTBEAT")
         self._save, self._load = save, load
         self._rendezvous_timeout = float(rendezvous_timeout)

@@ -489,6 +489,6 @@ fn spec_mismatch(job: &str, newcomer: &str) -> Error {
         None => "they differ".to_string(),
     };
     Error::SpecMismatch(format!(
-        "refused at admission: this process's training state is not the job's ({detail}); start it with the same model and optimizer as the running members"
+        "refused at admission: this process's training state is not the job's ({detail}); start it with the same model, optimizer and Model-Spec as the running members"
     ))
 }
