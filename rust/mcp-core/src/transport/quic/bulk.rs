@@ -515,7 +515,9 @@ async fn serve_repairs(
             t.stats.bulk_fallbacks.fetch_add(1, Ordering::Relaxed);
             // A frame that neither lane can carry means the connection broke meanwhile: the
             // receiver's operation fails with it, naming this peer.
-            let _ = t.write_checked(peer, conn, header, tx.payload()).await;
+            let _ = t
+                .write_checked_again(peer, conn, header, tx.payload())
+                .await;
         }
     }
 }

@@ -41,6 +41,14 @@ pub(super) fn transient(end: &ConnectionError, reset_here: bool) -> Option<&'sta
             Some("the peer dropped the connection to re-establish it")
         }
         ConnectionError::LocallyClosed if reset_here => Some("this process reset the path"),
+        // A close sent before the handshake's 1-RTT keys exist loses its application code
+        // and reason (QUIC carries it as a transport APPLICATION_ERROR): it cannot tell a
+        // reset from a departure, and the reconnection, bounded by its budget, finds out.
+        ConnectionError::ConnectionClosed(c)
+            if c.error_code == quinn::TransportErrorCode::APPLICATION_ERROR =>
+        {
+            Some("the peer closed the connection during its handshake")
+        }
         _ => None,
     }
 }
@@ -157,7 +165,7 @@ impl QuicTransport {
                 return;
             };
             self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
-            match self.write_checked(peer, &conn, header, payload).await {
+            match self.write_checked_again(peer, &conn, header, payload).await {
                 Err(e) if e.is_connection() && !self.closing.load(Ordering::Acquire) => {
                     failed = conn;
                 }

@@ -80,6 +80,31 @@ impl QuicTransport {
         header: &Header,
         payload: &[u8],
     ) -> std::result::Result<(), WriteFail> {
+        self.write_retained(peer, conn, header, payload, true).await
+    }
+
+    /// As [`Self::write_checked`], for a frame already counted as sent (an FEC-lane transfer
+    /// carried on a stream instead): the count a goodbye announces stays the number of
+    /// frames the peer will file.
+    pub(super) async fn write_checked_again(
+        &self,
+        peer: usize,
+        conn: &Connection,
+        header: &Header,
+        payload: &[u8],
+    ) -> std::result::Result<(), WriteFail> {
+        self.write_retained(peer, conn, header, payload, false)
+            .await
+    }
+
+    async fn write_retained(
+        &self,
+        peer: usize,
+        conn: &Connection,
+        header: &Header,
+        payload: &[u8],
+        first: bool,
+    ) -> std::result::Result<(), WriteFail> {
         let mut head = Vec::with_capacity(header.encoded_len());
         header.encode(&mut head).map_err(WriteFail::Core)?;
         let len = head.len() + payload.len();
@@ -95,7 +120,9 @@ impl QuicTransport {
             _permit: permit,
         };
         let recv = self.send_attempt(conn, &frame).await?;
-        self.count_sent(peer, len);
+        if first {
+            self.count_sent(peer, len);
+        }
         // Until its verdict the frame counts as unacknowledged (shutdown waits for it).
         self.unacked_streams.fetch_add(1, Ordering::AcqRel);
         let me = self.me.clone();
