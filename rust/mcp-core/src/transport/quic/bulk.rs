@@ -23,6 +23,7 @@
 //! Everything is bounded: transfers per connection (QUIC's stream limit), payload bytes
 //! in reception, the stash, the memory of finished transfer ids, repair rounds and waits.
 
+use super::stream_lane::Sent;
 use super::{QuicTransport, WriteFail, MAX_FRAME_PAYLOAD};
 use crate::error::{Error, Result};
 use crate::fec::{
@@ -516,7 +517,7 @@ async fn serve_repairs(
             // A frame that neither lane can carry means the connection broke meanwhile: the
             // receiver's operation fails with it, naming this peer.
             let _ = t
-                .write_checked_again(peer, conn, header, tx.payload())
+                .write_checked(peer, conn, header, tx.payload(), Sent::Again)
                 .await;
         }
     }

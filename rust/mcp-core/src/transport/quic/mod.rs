@@ -937,7 +937,9 @@ impl QuicTransport {
         let data_frame =
             SeqSpace::of(header.kind) != SeqSpace::Control && header.kind != FrameKind::Abort;
         if data_frame {
-            return self.write_checked(peer, conn, header, payload).await;
+            return self
+                .write_checked(peer, conn, header, payload, stream_lane::Sent::New)
+                .await;
         }
         let mut buf = Vec::with_capacity(
             header.encoded_len()

@@ -19,6 +19,7 @@
 //!
 //! [`Mailbox`]: crate::transport::Mailbox
 
+use super::stream_lane::Sent;
 use super::{close_code, QuicTransport, SEND_RETRIES};
 use crate::error::Error;
 use crate::wire::Header;
@@ -164,12 +165,18 @@ impl QuicTransport {
             let Ok(conn) = self.next_conn(peer, &failed).await else {
                 return;
             };
-            self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
-            match self.write_checked_again(peer, &conn, header, payload).await {
+            match self
+                .write_checked(peer, &conn, header, payload, Sent::Again)
+                .await
+            {
                 Err(e) if e.is_connection() && !self.closing.load(Ordering::Acquire) => {
                     failed = conn;
                 }
-                _ => return,
+                Ok(()) => {
+                    self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Err(_) => return,
             }
         }
     }

@@ -63,6 +63,15 @@ pub(super) fn retain_budget() -> usize {
     RETAIN_BYTES / RETAIN_UNIT
 }
 
+/// Whether a stream-lane send is a new frame or one sent before on the FEC lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sent {
+    /// A frame not sent before: counted in the frames sent to the peer.
+    New,
+    /// A frame counted already, carried again.
+    Again,
+}
+
 /// A sent frame, kept until the receiver's verdict.
 struct Retained {
     head: Bytes,
@@ -72,38 +81,16 @@ struct Retained {
 
 impl QuicTransport {
     /// Sends a data frame on the stream lane; returns once QUIC holds it. The frame is kept
-    /// and sent again, in the background, as often as the receiver asks.
+    /// and sent again, in the background, as often as the receiver asks. `sent` says whether
+    /// it counts as a new frame: one carried again (an FEC-lane transfer withdrawn or cut
+    /// off) does not, so that the count a goodbye announces stays what the peer will file.
     pub(super) async fn write_checked(
         &self,
         peer: usize,
         conn: &Connection,
         header: &Header,
         payload: &[u8],
-    ) -> std::result::Result<(), WriteFail> {
-        self.write_retained(peer, conn, header, payload, true).await
-    }
-
-    /// As [`Self::write_checked`], for a frame already counted as sent (an FEC-lane transfer
-    /// carried on a stream instead): the count a goodbye announces stays the number of
-    /// frames the peer will file.
-    pub(super) async fn write_checked_again(
-        &self,
-        peer: usize,
-        conn: &Connection,
-        header: &Header,
-        payload: &[u8],
-    ) -> std::result::Result<(), WriteFail> {
-        self.write_retained(peer, conn, header, payload, false)
-            .await
-    }
-
-    async fn write_retained(
-        &self,
-        peer: usize,
-        conn: &Connection,
-        header: &Header,
-        payload: &[u8],
-        first: bool,
+        sent: Sent,
     ) -> std::result::Result<(), WriteFail> {
         let mut head = Vec::with_capacity(header.encoded_len());
         header.encode(&mut head).map_err(WriteFail::Core)?;
@@ -120,7 +107,7 @@ impl QuicTransport {
             _permit: permit,
         };
         let recv = self.send_attempt(conn, &frame).await?;
-        if first {
+        if sent == Sent::New {
             self.count_sent(peer, len);
         }
         // Until its verdict the frame counts as unacknowledged (shutdown waits for it).
