@@ -392,6 +392,70 @@ async fn stream_lane_sends_no_shards() {
 /// back and every frame arrives, exact and once: the sender sends what lacked a DONE again,
 /// and the receiver files nothing from a transfer cut off with its connection (no error for
 /// a peer that is still there).
+/// An abort written just before a reset (the connection closes before QUIC could deliver
+/// it): it is kept until the peer's verdict and sent again on the next connection, so the
+/// peer stops waiting for the operation instead of waiting for its timeout; every round's
+/// abort arrives with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborts_cut_off_by_a_reset_arrive_after_the_reconnection() {
+    use mcp_core::transport::{encode_abort, SeqSpace};
+    use mcp_core::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+    const ROUNDS: u64 = 8;
+    let ts = mesh_with(2, |_| {}).await;
+    let (rx, tx) = (ts[0].clone(), ts[1].clone());
+    for seq in 0..ROUNDS {
+        // The connection exists before the abort: the reset cuts a live one.
+        let ping = vec![seq as u8; 64];
+        let header = Header {
+            kind: FrameKind::Send,
+            minor: PROTOCOL_MINOR,
+            seq,
+            step: 0,
+            chunk: 0,
+            chunk_count: 1,
+            src: 1,
+            aux: 0,
+            spec: ModelSpec::flat(DType::U8, ReduceOp::None, ping.len()),
+            payload_len: ping.len() as u64,
+            payload_crc: crc32c::crc32c(&ping),
+        };
+        tx.send_frame(0, &header, &ping).await.expect("send");
+        let why = Error::Timeout {
+            what: format!("round {seq}"),
+            after: Duration::from_secs(1),
+        };
+        let payload = encode_abort(SeqSpace::Collective, &why);
+        let abort = Header {
+            kind: FrameKind::Abort,
+            spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
+            payload_len: payload.len() as u64,
+            payload_crc: crc32c::crc32c(&payload),
+            ..header
+        };
+        tx.send_frame(0, &abort, &payload).await.expect("abort");
+        tx.chaos_reset();
+        let got = tokio::time::timeout(
+            Duration::from_secs(30),
+            rx.mailbox().aborted(SeqSpace::Collective, seq),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("the abort of round {seq} never came"));
+        assert!(
+            got.to_string().contains(&format!("round {seq}")),
+            "round {seq}: {got}"
+        );
+    }
+    assert!(
+        tx.stats()
+            .reconnects
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= ROUNDS
+    );
+    for t in ts {
+        t.shutdown().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
     use mcp_core::transport::quic::LanePolicy;

@@ -486,6 +486,12 @@ impl QuicTransport {
         if let Some(slot) = self.peers.get(peer) {
             slot.sent.fetch_add(1, Ordering::AcqRel);
         }
+        self.count_wire(wire_len);
+    }
+
+    /// Counts one frame of `wire_len` bytes in the statistics only: one the peer need not
+    /// read before it closes.
+    fn count_wire(&self, wire_len: usize) {
         self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         self.stats
             .bytes_sent
@@ -941,6 +947,43 @@ impl QuicTransport {
                 .write_checked(peer, conn, header, payload, stream_lane::Sent::New)
                 .await;
         }
+        let stream = self.write_uni(conn, header, payload).await?;
+        // A progress report is superseded by the next one: one lost with its connection is
+        // not a frame the peer must read before it closes (nor does the peer count it).
+        if header.kind == FrameKind::Progress {
+            self.count_wire(header.encoded_len() + payload.len());
+        } else {
+            self.count_sent(peer, header.encoded_len() + payload.len());
+        }
+        // An abort that QUIC did not deliver (a reset cut it off, or the server refused the
+        // 0-RTT data it rode in) goes again: the peer would otherwise wait for the operation
+        // until its timeout.
+        let resend = (header.kind == FrameKind::Abort).then(|| (header.clone(), payload.to_vec()));
+        // Track the stream until the peer has it, so that close() does not discard it.
+        self.unacked_streams.fetch_add(1, Ordering::AcqRel);
+        let (me, conn) = (self.me.clone(), conn.clone());
+        tokio::spawn(async move {
+            let end = stream.stopped().await;
+            let Some(t) = me.upgrade() else { return };
+            t.unacked_streams.fetch_sub(1, Ordering::AcqRel);
+            // Lost with its connection, or sent in 0-RTT data the server refused.
+            if let (Err(_), Some((h, p))) = (end, resend) {
+                if !t.closing.load(Ordering::Acquire) {
+                    t.resend_control(peer, &conn, &h, &p).await;
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Writes a control frame (a heartbeat report, an abort, a goodbye) on a unidirectional
+    /// stream of its own, ahead of data, and returns the stream once QUIC holds the bytes.
+    async fn write_uni(
+        &self,
+        conn: &Connection,
+        header: &Header,
+        payload: &[u8],
+    ) -> std::result::Result<quinn::SendStream, WriteFail> {
         let mut buf = Vec::with_capacity(
             header.encoded_len()
                 + if payload.len() <= 16384 {
@@ -963,17 +1006,7 @@ impl QuicTransport {
         stream
             .finish()
             .map_err(|_| WriteFail::Conn(ConnectionError::LocallyClosed))?;
-        self.count_sent(peer, header.encoded_len() + payload.len());
-        // Track the stream until the peer has it, so that close() does not discard it.
-        self.unacked_streams.fetch_add(1, Ordering::AcqRel);
-        let me = self.me.clone();
-        tokio::spawn(async move {
-            let _ = stream.stopped().await;
-            if let Some(me) = me.upgrade() {
-                me.unacked_streams.fetch_sub(1, Ordering::AcqRel);
-            }
-        });
-        Ok(())
+        Ok(stream)
     }
 
     /// Starts dialling `peer` in the background if this rank is the one that dials it; a
@@ -1479,7 +1512,6 @@ async fn read_stream(
                     t.progress_watch().on_report(src, p, Instant::now());
                 }
             }
-            received.fetch_add(1, Ordering::AcqRel);
             return Ok(());
         }
         FrameKind::Goodbye => {

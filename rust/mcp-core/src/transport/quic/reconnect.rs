@@ -9,7 +9,8 @@
 //! budget; only then is the peer lost. Meanwhile the operations in flight wait, and resume
 //! from what the receiver acknowledged: a stream-lane frame without an OK verdict is sent
 //! again on the new connection ([`super::stream_lane`]), so is an FEC-lane transfer without
-//! its DONE ([`QuicTransport::resend_after_break`]), a frame whose send failed is sent again
+//! its DONE ([`QuicTransport::resend_after_break`]), so is an abort QUIC had not delivered
+//! ([`QuicTransport::resend_control`]), a frame whose send failed is sent again
 //! whole, and the receiver drops a copy of a frame it already filed ([`Mailbox`]). A frame
 //! cut off on the receiving side files nothing: the connection's end decides, a lost peer
 //! failing every wait on it, a transient end bringing the sender's copy again.
@@ -178,6 +179,39 @@ impl QuicTransport {
                 }
                 Err(_) => return,
             }
+        }
+    }
+
+    /// Sends a control frame (an abort) again on the connection that replaces `broken`,
+    /// which ended before the peer acknowledged it; and again while connections keep
+    /// breaking under it, at most [`SEND_RETRIES`] times. Gives up when the peer is lost.
+    pub(super) async fn resend_control(
+        &self,
+        peer: usize,
+        broken: &Connection,
+        header: &Header,
+        payload: &[u8],
+    ) {
+        let mut failed = broken.clone();
+        for _ in 0..SEND_RETRIES {
+            let Ok(conn) = self.next_conn(peer, &failed).await else {
+                return;
+            };
+            // A refused 0-RTT flight fails its stream, not the connection: `next_conn` then
+            // hands the same connection back.
+            let broke = match self.write_uni(&conn, header, payload).await {
+                Ok(stream) => stream.stopped().await.is_err(),
+                Err(e) if e.is_connection() => true,
+                Err(_) => return,
+            };
+            if !broke {
+                self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            if self.closing.load(Ordering::Acquire) {
+                return;
+            }
+            failed = conn;
         }
     }
 }
