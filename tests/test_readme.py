@@ -40,7 +40,7 @@ def test_readme_has_examples_and_starts_with_the_two_commands() -> None:
     text = README.read_text()
     assert len(BLOCKS) >= 7
     assert text.split("\n")[2:6] == ["```", "make demo", "make test", "```"]
-    assert len(text.split("\n")) <= 330, "the README is meant to be read in five minutes"
+    assert len(text.split("\n")) <= 300, "the README is meant to be read in five minutes"
 
 
 def test_readme_links_point_at_files() -> None:
