@@ -23,11 +23,14 @@ def test_a_ring_on_a_clean_link_takes_what_the_pipelined_formula_says() -> None:
     assert out["host_card_bytes"] == pytest.approx(64e6 * 14 / 8, rel=1e-3)
 
 
-def test_a_failed_rank_fails_every_survivor_after_the_detector_timeout() -> None:
-    out = _core.sim_all_reduce(32, "ring", 1e9, fail_rank=5, fail_at_s=1e-3, detect_s=2.0)
+def test_a_failed_rank_fails_every_survivor_once_the_detector_finds_it_silent() -> None:
+    # Connected at 0, dead at 1 ms before its first keep-alive: its neighbours' detectors
+    # (the transport's) pass 2 x 1 s + max(0.25 s, 1.3 x RTT) at their check of 2.5 s, and
+    # their aborts reach every survivor within a round trip.
+    out = _core.sim_all_reduce(32, "ring", 1e9, fail_rank=5, fail_at_s=1e-3, heartbeat_s=1.0)
     assert out["ok_ranks"] == 0
-    assert "peer rank 5 lost" in out["error"] or "rank 5 failed" in out["error"]
-    assert 2.0 <= out["elapsed_s"] < 3.0
+    assert "rank 5" in out["error"]
+    assert 2.5 <= out["elapsed_s"] < 2.51
 
 
 @pytest.mark.parametrize(
@@ -39,6 +42,7 @@ def test_a_failed_rank_fails_every_survivor_after_the_detector_timeout() -> None
         {"loss": 0.95},
         {"nbytes": 1.0},
         {"fail_rank": 99},
+        {"heartbeat_s": 0.0},
     ],
 )
 def test_bad_arguments_are_value_errors(kwargs: dict[str, object]) -> None:
@@ -77,7 +81,10 @@ def test_the_cli_prints_every_strategy_and_its_arithmetic_holds(
         base = 50 * r["step_s"] + r["checkpoint_s"]
         assert r["training_s"] == pytest.approx(base + r["failure_s"])
         assert r["fits"] == (r["trainings_per_day"] >= 100)
-    assert doc["facts"]["abort_after_failure_s"] == pytest.approx(15.0, abs=0.5)
+    # The transport's detector at the default 5 s heartbeat: the node dies at 1 ms, before its
+    # first keep-alive; its limit is 2 x 5 s + min(1 s, 5 s / 4), passed at the check of 11.25 s
+    # (every 1.25 s), and the aborts cross in microseconds.
+    assert doc["facts"]["abort_after_failure_s"] == pytest.approx(11.25 - 1e-3, abs=1e-3)
 
 
 def test_the_cli_refuses_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:

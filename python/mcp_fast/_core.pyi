@@ -39,7 +39,7 @@ def sim_all_reduce(
     inter_rtt_s: float = 20e-6,
     loss: float = 0.0,
     seed: int = 0,
-    detect_s: float = 5.0,
+    heartbeat_s: float = 5.0,
     fail_rank: int | None = None,
     fail_at_s: float = 0.0,
     timeout_s: float = 86400.0,

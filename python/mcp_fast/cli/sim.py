@@ -107,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--failure-rate", type=float, default=0.05, help="fraction of the nodes that fail per day"
     )
-    p.add_argument("--detect-s", type=float, default=15.0, help="failure detector timeout, s")
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=5.0,
+        help="keep-alive interval of the failure detector, s (a silent node is lost after"
+        " 2 intervals + max(interval/4, 1.3 RTT))",
+    )
     p.add_argument(
         "--checkpoint",
         choices=["elastic", "restart"],
@@ -205,7 +211,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         "inter_rtt_s": args.inter_rtt_us * 1e-6,
         "loss": args.loss,
         "seed": args.seed,
-        "detect_s": args.detect_s,
+        "heartbeat_s": args.heartbeat_s,
     }
     # The inter-host phase of the hierarchical all-reduce: G rings of N nodes, one per local
     # GPU, each on 1/G of the gradient and 1/G of the card.
@@ -309,7 +315,7 @@ def _print(args: argparse.Namespace, rows: list[Row], facts: dict[str, Any]) -> 
         print(f"{r.strategy:<34} {line} {r.trainings_per_day:>8.1f}  {fits} {r.note}".rstrip())
     print(
         "a failure mid all-reduce: every survivor aborted"
-        f" {facts['abort_after_failure_s']:.2f} s after it (detector {args.detect_s:g} s);"
+        f" {facts['abort_after_failure_s']:.2f} s after it (heartbeat {args.heartbeat_s:g} s);"
         f" checkpoint {_si(facts['checkpoint_full_bytes'], 'B')} full,"
         f" {_si(facts['checkpoint_delta_bytes'], 'B')} delta, written in"
         f" {facts['checkpoint_full_write_s']:.2f} s / {facts['checkpoint_delta_write_s']:.2f} s"

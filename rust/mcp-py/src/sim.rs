@@ -21,12 +21,13 @@ fn secs(what: &str, s: f64) -> PyResult<Duration> {
 /// and returns what it took: the algorithm that ran (`"auto"` resolved as a real group
 /// resolves it for that size), virtual seconds, bytes per rank, frames, and whether the
 /// result was exact. `intra_overhead_s` / `inter_overhead_s` add a fixed software time to
-/// every frame's arrival on that kind of link (default 0).
+/// every frame's arrival on that kind of link (default 0). A failed rank is found by the
+/// transport's own failure detector, with keep-alives every `heartbeat_s`.
 #[pyfunction]
 #[pyo3(signature = (
     world, algorithm, nbytes, *, ranks_per_host=1, codec="none", block=256,
     intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0, inter_rtt_s=20e-6, loss=0.0,
-    seed=0, detect_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0,
+    seed=0, heartbeat_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0,
     intra_overhead_s=0.0, inter_overhead_s=0.0
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -44,7 +45,7 @@ pub fn sim_all_reduce<'py>(
     inter_rtt_s: f64,
     loss: f64,
     seed: u64,
-    detect_s: f64,
+    heartbeat_s: f64,
     fail_rank: Option<usize>,
     fail_at_s: f64,
     timeout_s: f64,
@@ -63,7 +64,7 @@ pub fn sim_all_reduce<'py>(
     };
     let mut cfg = SimConfig::new(world, topology);
     cfg.seed = seed;
-    cfg.detect_after = secs("detect_s", detect_s)?;
+    cfg.heartbeat = secs("heartbeat_s", heartbeat_s)?;
     if let Some(rank) = fail_rank {
         cfg.faults.push(Fault::Rank {
             rank,

@@ -61,15 +61,16 @@ impl Topology {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// The rank dies: it stops sending and receiving; its own operations fail with
-    /// `Closed`; the others declare it lost after [`SimConfig::detect_after`].
+    /// `Closed`; the ranks connected to it declare it lost when their failure detectors
+    /// find it silent (see [`SimConfig::heartbeat`]), and abort what they run with it.
     Rank {
         /// The rank.
         rank: usize,
         /// When, from the start of the run.
         at: Duration,
     },
-    /// The link between two ranks stops carrying frames; both ends declare each other lost
-    /// after [`SimConfig::detect_after`].
+    /// The link between two ranks stops carrying frames and keep-alives; both ends' failure
+    /// detectors declare each other lost.
     Link {
         /// One end.
         a: usize,
@@ -93,15 +94,18 @@ pub struct SimConfig {
     pub scale: f64,
     /// What fails, and when.
     pub faults: Vec<Fault>,
-    /// How long the survivors' failure detector takes to declare a silent peer lost (the
-    /// heartbeat timeout).
-    pub detect_after: Duration,
+    /// The keep-alive interval of every connection. The survivors' failure detectors are
+    /// the transport's own ([`crate::health::PeerMonitor`]): a peer is lost at the first
+    /// check (every interval / 4) past 2 intervals + max(interval / 4, 1.3 x RTT) of silence
+    /// after its last keep-alive.
+    pub heartbeat: Duration,
     /// Whether to record every frame in [`SimReport::trace`].
     pub trace: bool,
 }
 
 impl SimConfig {
-    /// `world` ranks on `topology`, seed 0, no scaling, no faults, a 5 s detector, no trace.
+    /// `world` ranks on `topology`, seed 0, no scaling, no faults, the transport's default
+    /// 5 s heartbeat, no trace.
     pub fn new(world: usize, topology: Topology) -> SimConfig {
         SimConfig {
             world,
@@ -109,7 +113,7 @@ impl SimConfig {
             seed: 0,
             scale: 1.0,
             faults: Vec::new(),
-            detect_after: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(5),
             trace: false,
         }
     }
@@ -128,6 +132,12 @@ impl SimConfig {
         }
         self.topology.intra.validate("intra-host")?;
         self.topology.inter.validate("inter-host")?;
+        if self.heartbeat < Duration::from_millis(1) {
+            return Err(Error::InvalidArgument(format!(
+                "the heartbeat interval must be at least 1 ms, got {:?}",
+                self.heartbeat
+            )));
+        }
         if !(self.scale.is_finite() && self.scale >= 1.0) {
             return Err(Error::InvalidArgument(format!(
                 "scale must be a finite number of at least 1, got {}",

@@ -11,10 +11,11 @@
 use super::link::{LinkRng, LinkSpec};
 use super::{Fault, SimConfig, TraceEvent};
 use crate::error::{Error, Result};
-use crate::transport::{Frame, Mailbox, Payload, Transport};
-use crate::wire::Header;
+use crate::health::{Action, PeerMonitor, ProgressWatch};
+use crate::transport::{Frame, Mailbox, Payload, SeqSpace, Transport};
+use crate::wire::{FrameKind, Header};
 use std::cmp::{Ordering as CmpOrdering, Reverse};
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,10 +36,8 @@ enum Event {
     Kill(usize),
     /// The link between two ranks stops carrying anything.
     Cut(usize, usize),
-    /// The survivors' failure detectors declare a dead rank lost.
-    DetectRank(usize),
-    /// Both ends of a cut link declare each other lost.
-    DetectLink(usize, usize),
+    /// The failure detector of rank `me`'s connection to `peer` checks it.
+    Check { me: usize, peer: usize },
 }
 
 /// An event and when it happens; ordered by time, then by when it was filed, so that one
@@ -104,7 +103,22 @@ struct State {
     nic_free: Vec<u64>,
     rngs: PairMap<LinkRng>,
     dead: Vec<Option<u64>>,
-    cut: HashSet<(usize, usize)>,
+    /// Links cut, and when.
+    cut: HashMap<(usize, usize), u64>,
+    /// When each connection (by its lower rank first) was established.
+    conns: PairMap<u64>,
+    /// Each rank's connected peers.
+    peers_of: Vec<Vec<usize>>,
+    /// When packets of the latest flow from a peer reach a rank, first and last, by (the
+    /// rank, the peer): a frame's packets while it flows (not only at its end), and the
+    /// acknowledgements of what the rank sends.
+    flows: PairMap<(u64, u64)>,
+    /// The failure detectors that run: those of connections to a dead rank or across a cut
+    /// link, by (this rank, its peer). Elsewhere nothing could fire: a live peer's
+    /// keep-alives arrive every interval, and the simulator has no stalled ranks.
+    monitors: PairMap<PeerMonitor>,
+    /// Each rank's own progress, which its monitors report.
+    progress: Vec<ProgressWatch>,
     frames: u64,
     wire_bytes: Vec<f64>,
     inter_host_bytes: f64,
@@ -120,6 +134,16 @@ impl State {
     }
 }
 
+/// Files that packets reach a rank from a peer (`key`: the rank, the peer) from `first` to
+/// `last`; a flow back to back with the one before extends it.
+fn note_flow(flows: &mut PairMap<(u64, u64)>, key: (usize, usize), first: u64, last: u64) {
+    let flow = flows.entry(key).or_insert((first, last));
+    if last > flow.1 {
+        let start = if first <= flow.1 { flow.0 } else { first };
+        *flow = (start, last);
+    }
+}
+
 /// The shared network of one simulation.
 pub(crate) struct SimNet {
     cfg: SimConfig,
@@ -127,6 +151,8 @@ pub(crate) struct SimNet {
     state: Mutex<State>,
     wake: Notify,
     t0: Instant,
+    /// The failure detectors' clock at virtual time 0 (they count virtual nanoseconds from it).
+    clock0: std::time::Instant,
 }
 
 fn ns(d: Duration) -> u64 {
@@ -149,7 +175,14 @@ impl SimNet {
             nic_free: vec![0; w.div_ceil(cfg.topology.ranks_per_host)],
             rngs: PairMap::default(),
             dead: vec![None; w],
-            cut: HashSet::new(),
+            cut: HashMap::new(),
+            conns: PairMap::default(),
+            peers_of: vec![Vec::new(); w],
+            flows: PairMap::default(),
+            monitors: PairMap::default(),
+            progress: (0..w)
+                .map(|_| ProgressWatch::new(0, Duration::from_secs(30), 10))
+                .collect(),
             frames: 0,
             wire_bytes: vec![0.0; w],
             inter_host_bytes: 0.0,
@@ -168,6 +201,7 @@ impl SimNet {
             state: Mutex::new(state),
             wake: Notify::new(),
             t0: Instant::now(),
+            clock0: std::time::Instant::now(),
         })
     }
 
@@ -191,6 +225,125 @@ impl SimNet {
         rank / self.cfg.topology.ranks_per_host
     }
 
+    /// The link model between two ranks.
+    fn spec_of(&self, a: usize, b: usize) -> &LinkSpec {
+        if self.host(a) == self.host(b) {
+            &self.cfg.topology.intra
+        } else {
+            &self.cfg.topology.inter
+        }
+    }
+
+    /// The round trip a connection's keep-alives measure.
+    fn rtt(&self, a: usize, b: usize) -> Duration {
+        let s = self.spec_of(a, b);
+        (s.latency + s.overhead) * 2
+    }
+
+    /// The failure detectors' clock at virtual time `t`.
+    fn instant(&self, t: u64) -> std::time::Instant {
+        self.clock0 + Duration::from_nanos(t)
+    }
+
+    /// Ranks `a` and `b` are connected from `now` on (a frame went between them, or one
+    /// waits for the other), as QUIC connects on first use; from then on each end's failure
+    /// detector watches the other.
+    fn connect(&self, st: &mut State, a: usize, b: usize, now: u64) {
+        let key = (a.min(b), a.max(b));
+        if a == b || st.conns.contains_key(&key) {
+            return;
+        }
+        st.conns.insert(key, now);
+        st.peers_of[a].push(b);
+        st.peers_of[b].push(a);
+        // Connected to a rank already dead, or across a link already cut.
+        for (me, peer) in [(a, b), (b, a)] {
+            if st.dead[peer].is_some() || st.cut.contains_key(&key) {
+                self.start_monitor(st, me, peer, now);
+            }
+        }
+    }
+
+    /// Runs the detector of `me`'s connection to `peer` (whose keep-alives stopped) as it has
+    /// run since the connection began: its checks fall every tick from then, and the first
+    /// one at or after `from` is filed.
+    fn start_monitor(&self, st: &mut State, me: usize, peer: usize, from: u64) {
+        if st.dead[me].is_some() || st.monitors.contains_key(&(me, peer)) {
+            return;
+        }
+        let Some(&since) = st.conns.get(&(me.min(peer), me.max(peer))) else {
+            return;
+        };
+        let mut m = PeerMonitor::new(peer, self.cfg.heartbeat, self.instant(since));
+        // The handshake's round trip.
+        m.on_heard(self.rtt(me, peer), self.instant(since));
+        let tick = ns(m.tick()).max(1);
+        let first = since + from.saturating_sub(since).div_ceil(tick).max(1) * tick;
+        st.monitors.insert((me, peer), m);
+        st.schedule(first, Event::Check { me, peer });
+    }
+
+    /// When the last keep-alive from `peer` that reached `me` by `at` arrived: every side
+    /// sends one each heartbeat interval from the connection's start, while it lives and the
+    /// link carries them. Keep-alives are neither queued behind data nor lost (QUIC sends them
+    /// ahead of data, and a lost one is covered by the detector's two missed intervals).
+    fn last_keepalive(&self, st: &State, me: usize, peer: usize, at: u64) -> Option<u64> {
+        let key = (me.min(peer), me.max(peer));
+        let since = *st.conns.get(&key)?;
+        let spec = self.spec_of(peer, me);
+        let delay = ns(spec.latency).saturating_add(ns(spec.overhead));
+        let interval = ns(self.cfg.heartbeat).max(1);
+        let mut last_sent = at.checked_sub(delay)?;
+        if let Some(d) = st.dead[peer] {
+            last_sent = last_sent.min(d.checked_sub(1)?);
+        }
+        if let Some(&c) = st.cut.get(&key) {
+            last_sent = last_sent.min(c.checked_sub(1)?);
+        }
+        if last_sent < since + interval {
+            return None;
+        }
+        let k = (last_sent - since) / interval;
+        Some(since + k * interval + delay)
+    }
+
+    /// When the last packet of `peer`'s frames reached `me` by `at`: a frame's packets arrive
+    /// from its first byte's arrival to its last's, and stop when their sender dies.
+    fn last_packet(&self, st: &State, me: usize, peer: usize, at: u64) -> Option<u64> {
+        let &(first, last) = st.flows.get(&(me, peer))?;
+        let mut t = last.min(at);
+        if let Some(d) = st.dead[peer] {
+            let spec = self.spec_of(peer, me);
+            t = t.min(d.saturating_add(ns(spec.latency)));
+        }
+        (first <= t).then_some(t)
+    }
+
+    /// Rank `me` waits for a frame from `peer`: connect them (see [`SimNet::connect`]).
+    pub(crate) fn expect(&self, me: usize, peer: usize) {
+        if peer >= self.cfg.world {
+            return;
+        }
+        let mut st = self.lock();
+        if st.dead[me].is_some() {
+            return;
+        }
+        let now = self.now_in(&st);
+        self.connect(&mut st, me, peer, now);
+    }
+
+    /// Rank `me` started (`started`) or finished collective `seq`: what its progress
+    /// reports say.
+    pub(crate) fn progress(&self, me: usize, seq: u64, started: bool) {
+        let mut st = self.lock();
+        let now = self.instant(self.now_in(&st));
+        if started {
+            st.progress[me].op_started(seq, now);
+        } else {
+            st.progress[me].op_finished(seq);
+        }
+    }
+
     fn send(&self, src: usize, dst: usize, header: &Header, payload: &[u8]) -> Result<()> {
         if dst >= self.cfg.world {
             return Err(Error::InvalidArgument(format!(
@@ -206,7 +359,13 @@ impl SimNet {
             )));
         }
         let now = self.now_in(&st);
-        let bytes = header.encoded_len() as f64 + payload.len() as f64 * self.cfg.scale;
+        self.connect(&mut st, src, dst, now);
+        // Aborts and control frames are a few bytes of their own (never scaled), and go ahead
+        // of the data queued on the link, as the transport sends them.
+        let urgent =
+            header.kind == FrameKind::Abort || SeqSpace::of(header.kind) == SeqSpace::Control;
+        let scale = if urgent { 1.0 } else { self.cfg.scale };
+        let bytes = header.encoded_len() as f64 + payload.len() as f64 * scale;
         let (sh, dh) = (self.host(src), self.host(dst));
         let (spec, free): (&LinkSpec, &mut u64) = if sh == dh {
             (
@@ -216,20 +375,34 @@ impl SimNet {
         } else {
             (&self.cfg.topology.inter, &mut st.nic_free[sh])
         };
-        let start = now.max(*free);
+        let start = if urgent { now } else { now.max(*free) };
         let end = start.saturating_add(spec.serialise_ns(bytes));
-        *free = end;
+        if !urgent {
+            *free = end;
+        }
         let seed = self.cfg.seed;
         let extra = st
             .rngs
             .entry((src, dst))
             .or_insert_with(|| LinkRng::new(seed, src, dst))
             .extra_ns(spec, bytes);
+        let first_byte = start.saturating_add(ns(spec.latency));
+        let last_byte = end.saturating_add(ns(spec.latency));
         let arrive = end
             .saturating_add(ns(spec.latency))
             .saturating_add(ns(spec.overhead))
             .saturating_add(extra);
         st.frames += 1;
+        // The receiver hears the frame's packets; the sender, one latency later, its
+        // acknowledgements.
+        let lat = ns(spec.latency);
+        note_flow(&mut st.flows, (dst, src), first_byte, last_byte);
+        note_flow(
+            &mut st.flows,
+            (src, dst),
+            first_byte.saturating_add(lat),
+            last_byte.saturating_add(lat),
+        );
         st.wire_bytes[src] += bytes;
         if sh != dh {
             st.inter_host_bytes += bytes;
@@ -280,7 +453,7 @@ impl SimNet {
                 {
                     let st = self.lock();
                     let link = (src.min(dst), src.max(dst));
-                    if st.dead[dst].is_some() || (!st.cut.is_empty() && st.cut.contains(&link)) {
+                    if st.dead[dst].is_some() || st.cut.contains_key(&link) {
                         return;
                     }
                 }
@@ -296,8 +469,9 @@ impl SimNet {
                         return;
                     }
                     st.dead[r] = Some(at);
-                    let detect = at.saturating_add(ns(self.cfg.detect_after));
-                    st.schedule(detect, Event::DetectRank(r));
+                    for q in st.peers_of[r].clone() {
+                        self.start_monitor(&mut st, q, r, at);
+                    }
                 }
                 self.mailboxes[r].close(Error::Closed(format!(
                     "rank {r} failed at virtual time {:.6} s (simulated fault)",
@@ -306,44 +480,66 @@ impl SimNet {
             }
             Event::Cut(a, b) => {
                 let mut st = self.lock();
-                st.cut.insert((a.min(b), a.max(b)));
-                let detect = at.saturating_add(ns(self.cfg.detect_after));
-                st.schedule(detect, Event::DetectLink(a, b));
-            }
-            Event::DetectRank(r) => {
-                let died = self.lock().dead[r].unwrap_or(at);
-                let err = Error::PeerLost {
-                    rank: r,
-                    op: "any operation".into(),
-                    reason: format!(
-                        "it failed at virtual time {:.6} s and went silent; declared lost {:.3} s later",
-                        secs(died),
-                        self.cfg.detect_after.as_secs_f64()
-                    ),
-                };
-                let alive: Vec<usize> = {
-                    let st = self.lock();
-                    (0..self.cfg.world)
-                        .filter(|&q| q != r && st.dead[q].is_none())
-                        .collect()
-                };
-                for q in alive {
-                    self.mailboxes[q].fail_peer(r, err.clone());
+                let link = (a.min(b), a.max(b));
+                if st.cut.contains_key(&link) {
+                    return;
                 }
+                st.cut.insert(link, at);
+                self.start_monitor(&mut st, a, b, at);
+                self.start_monitor(&mut st, b, a, at);
             }
-            Event::DetectLink(a, b) => {
-                for (me, peer) in [(a, b), (b, a)] {
-                    self.mailboxes[me].fail_peer(
-                        peer,
-                        Error::PeerLost {
-                            rank: peer,
-                            op: "any operation".into(),
-                            reason: format!(
-                                "the link from rank {me} was cut at virtual time {:.6} s",
-                                secs(at.saturating_sub(ns(self.cfg.detect_after)))
-                            ),
-                        },
-                    );
+            Event::Check { me, peer } => {
+                let failure = {
+                    let mut st = self.lock();
+                    if st.dead[me].is_some() {
+                        return;
+                    }
+                    let Some(mut m) = st.monitors.remove(&(me, peer)) else {
+                        return;
+                    };
+                    // What came from the peer by now: keep-alives, and frames.
+                    let frame = self.last_packet(&st, me, peer, at);
+                    if let Some(heard) = self.last_keepalive(&st, me, peer, at).max(frame) {
+                        m.on_heard(self.rtt(me, peer), self.instant(heard));
+                    }
+                    let mut failure = None;
+                    for action in m.handle_timeout(self.instant(at), &st.progress[me]) {
+                        match action {
+                            // Reports would only feed the peer's stall watch: no simulated
+                            // rank stalls, so they are not sent.
+                            Action::Report(_) => m.report_sent(true),
+                            Action::Silent { silent, limit } => {
+                                failure = Some(Error::PeerLost {
+                                    rank: peer,
+                                    op: "any operation".into(),
+                                    reason: format!(
+                                        "{} (virtual time {:.6} s)",
+                                        m.silence_reason(silent, limit),
+                                        secs(at)
+                                    ),
+                                });
+                            }
+                            Action::Stalled(s) => {
+                                let (op, reason) = PeerMonitor::stall_reason(&s);
+                                failure = Some(Error::PeerStalled {
+                                    rank: peer,
+                                    op,
+                                    reason,
+                                });
+                            }
+                        }
+                    }
+                    if failure.is_none() {
+                        if let Some(next) = m.poll_timeout() {
+                            let next = ns(next.saturating_duration_since(self.clock0));
+                            st.monitors.insert((me, peer), m);
+                            st.schedule(next, Event::Check { me, peer });
+                        }
+                    }
+                    failure
+                };
+                if let Some(e) = failure {
+                    self.mailboxes[me].fail_peer(peer, e);
                 }
             }
         }
@@ -447,6 +643,18 @@ impl Transport for SimTransport {
         payload: &'a [u8],
     ) -> Result<()> {
         self.net.send(self.rank, peer, header, payload)
+    }
+
+    fn expect_from(&self, peer: usize) {
+        self.net.expect(self.rank, peer);
+    }
+
+    fn op_started(&self, seq: u64) {
+        self.net.progress(self.rank, seq, true);
+    }
+
+    fn op_finished(&self, seq: u64) {
+        self.net.progress(self.rank, seq, false);
     }
 
     async fn goodbye(&self) {}

@@ -116,7 +116,7 @@ fn a_rank_failing_mid_operation_fails_every_survivor_with_peer_lost_naming_it() 
     let dead = 500;
     let mut cfg = datacentre(w);
     cfg.scale = 1e6; // 4 KB stands for 4 GB: the operation takes seconds of virtual time
-    cfg.detect_after = Duration::from_secs(2);
+    cfg.heartbeat = Duration::from_millis(500);
     // Before it has sent anything: no survivor can finish without it.
     let at = Duration::from_millis(1);
     cfg.faults = vec![Fault::Rank { rank: dead, at }];
@@ -131,9 +131,55 @@ fn a_rank_failing_mid_operation_fails_every_survivor_with_peer_lost_naming_it() 
             other => panic!("rank {r}: expected PeerLost naming {dead}, got {other:?}"),
         }
     }
-    // Bounded by detection, far inside the 60 s operation deadline.
-    let bound = at + cfg.detect_after + Duration::from_secs(1);
+    // Bounded by detection (2.25 heartbeats and a check), far inside the 60 s deadline.
+    let bound = at + cfg.heartbeat * 3 + Duration::from_secs(1);
     assert!(report.elapsed < bound, "took {:?}", report.elapsed);
+}
+
+/// The survivors' detector is the transport's [`crate::health::PeerMonitor`]: a rank that
+/// dies after its keep-alive at 1.2 s (every 0.2 s from the connection at 0) is declared
+/// lost at the first check (every 50 ms) past its limit, 2 x 0.2 s + max(50 ms, 1.3 x RTT) =
+/// 0.45 s after that keep-alive's arrival: at 1.70 s, with the detector's reason.
+#[test]
+fn a_dead_rank_is_found_by_the_transports_detector_at_its_limit() {
+    let mut cfg = SimConfig::new(
+        2,
+        Topology::flat(LinkSpec::new(Duration::from_millis(2), 1e9)),
+    );
+    cfg.heartbeat = Duration::from_millis(200);
+    cfg.faults = vec![Fault::Rank {
+        rank: 1,
+        at: Duration::from_millis(1300),
+    }];
+    let (out, report) = simulate(&cfg, |t| async move {
+        let g = Group::new(t.clone(), group_cfg());
+        if t.rank() == 1 {
+            // Alive and connected until it dies; its operation never comes.
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            return Ok(());
+        }
+        match g.barrier() {
+            Ok(op) => op.await,
+            Err(e) => Err(e),
+        }
+    })
+    .expect("simulation runs");
+    match &out[0] {
+        Err(Error::PeerLost {
+            rank: 1, reason, ..
+        }) => {
+            assert!(reason.contains("heartbeat every 0.20 s"), "{reason}");
+            assert!(reason.contains("limit 0.45 s"), "{reason}");
+        }
+        other => panic!("rank 0: {other:?}"),
+    }
+    // The last keep-alive left at 1.2 s and arrived 1 ms later; the check at 1.70 s is the
+    // first past 1.201 + 0.45 s.
+    let found = report.finished[0];
+    assert!(
+        found >= Duration::from_millis(1700) && found < Duration::from_millis(1702),
+        "declared lost at {found:?}"
+    );
 }
 
 #[test]
@@ -143,7 +189,7 @@ fn a_cut_link_fails_both_ends_and_a_silent_rank_times_out_in_virtual_time() {
         Topology::flat(LinkSpec::new(Duration::from_millis(1), 1e9)),
     );
     cfg.scale = 1e6;
-    cfg.detect_after = Duration::from_millis(500);
+    cfg.heartbeat = Duration::from_millis(200);
     cfg.faults = vec![Fault::Link {
         a: 0,
         b: 1,
@@ -467,7 +513,7 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
         let mut cfg = datacentre(w);
         cfg.scale = 1e6;
         cfg.seed = e as u64;
-        cfg.detect_after = coord_cfg.dead_after;
+        cfg.heartbeat = beat;
         cfg.faults = dying
             .iter()
             .map(|&rank| Fault::Rank {
