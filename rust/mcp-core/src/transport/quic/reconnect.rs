@@ -150,10 +150,43 @@ async fn reconnect_now(
     }
 }
 
+/// How one attempt of [`QuicTransport::on_next_connections`] ended.
+enum Attempt {
+    /// The frame went out.
+    Sent,
+    /// The connection broke under it: try the next one.
+    Broke,
+    /// Nothing more to do (the transport closes, or the frame cannot be sent).
+    GiveUp,
+}
+
 impl QuicTransport {
+    /// Runs `attempt` on the connection that replaces `broken`, and again on the next one
+    /// while connections keep breaking under it, at most [`SEND_RETRIES`] times; counts a
+    /// frame that went out in `resumed_frames`. Gives up when the peer is lost.
+    async fn on_next_connections<F, Fut>(&self, peer: usize, broken: &Connection, mut attempt: F)
+    where
+        F: FnMut(Connection) -> Fut,
+        Fut: Future<Output = Attempt>,
+    {
+        let mut failed = broken.clone();
+        for _ in 0..SEND_RETRIES {
+            let Ok(conn) = self.next_conn(peer, &failed).await else {
+                return;
+            };
+            match attempt(conn.clone()).await {
+                Attempt::Sent => {
+                    self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Attempt::Broke if !self.closing.load(Ordering::Acquire) => failed = conn,
+                Attempt::Broke | Attempt::GiveUp => return,
+            }
+        }
+    }
+
     /// Sends a data frame again, on the stream lane of the connection that replaces `broken`,
-    /// because `broken` ended before the receiver acknowledged it. Gives up when the peer is
-    /// lost (its waits fail with it) or after [`SEND_RETRIES`] connections broke in a row.
+    /// because `broken` ended before the receiver acknowledged it.
     pub(super) async fn resend_after_break(
         &self,
         peer: usize,
@@ -161,30 +194,21 @@ impl QuicTransport {
         header: &Header,
         payload: &[u8],
     ) {
-        let mut failed = broken.clone();
-        for _ in 0..SEND_RETRIES {
-            let Ok(conn) = self.next_conn(peer, &failed).await else {
-                return;
-            };
+        self.on_next_connections(peer, broken, |conn| async move {
             match self
                 .write_checked(peer, &conn, header, payload, Sent::Again)
                 .await
             {
-                Err(e) if e.is_connection() && !self.closing.load(Ordering::Acquire) => {
-                    failed = conn;
-                }
-                Ok(()) => {
-                    self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                Err(_) => return,
+                Ok(()) => Attempt::Sent,
+                Err(e) if e.is_connection() => Attempt::Broke,
+                Err(_) => Attempt::GiveUp,
             }
-        }
+        })
+        .await;
     }
 
     /// Sends a control frame (an abort) again on the connection that replaces `broken`,
-    /// which ended before the peer acknowledged it; and again while connections keep
-    /// breaking under it, at most [`SEND_RETRIES`] times. Gives up when the peer is lost.
+    /// which ended (or refused the 0-RTT data it rode in) before the peer acknowledged it.
     pub(super) async fn resend_control(
         &self,
         peer: usize,
@@ -192,26 +216,16 @@ impl QuicTransport {
         header: &Header,
         payload: &[u8],
     ) {
-        let mut failed = broken.clone();
-        for _ in 0..SEND_RETRIES {
-            let Ok(conn) = self.next_conn(peer, &failed).await else {
-                return;
-            };
-            // A refused 0-RTT flight fails its stream, not the connection: `next_conn` then
-            // hands the same connection back.
-            let broke = match self.write_uni(&conn, header, payload).await {
-                Ok(stream) => stream.stopped().await.is_err(),
-                Err(e) if e.is_connection() => true,
-                Err(_) => return,
-            };
-            if !broke {
-                self.stats.resumed_frames.fetch_add(1, Ordering::Relaxed);
-                return;
+        // A refused 0-RTT flight fails its stream, not the connection: `next_conn` then
+        // hands the same connection back.
+        self.on_next_connections(peer, broken, |conn| async move {
+            match self.write_uni(&conn, header, payload).await {
+                Ok(stream) if stream.stopped().await.is_ok() => Attempt::Sent,
+                Ok(_) => Attempt::Broke,
+                Err(e) if e.is_connection() => Attempt::Broke,
+                Err(_) => Attempt::GiveUp,
             }
-            if self.closing.load(Ordering::Acquire) {
-                return;
-            }
-            failed = conn;
-        }
+        })
+        .await;
     }
 }
