@@ -228,6 +228,43 @@ def test_another_job_secret_is_refused_at_the_handshake():
         c.close()
 
 
+def test_a_member_of_another_protocol_version_fails_at_once_instead_of_retrying():
+    c = serve_coordinator("127.0.0.1:0", SECRET, min_members=2)
+    errors: list[BaseException] = []
+    took: list[float] = []
+
+    def member(major: int | None) -> None:
+        t0 = time.monotonic()
+        job = _numpy_job(c.local_addr, {"w": np.zeros(4, np.float32)}, secret=SECRET, timeout=20)
+        if major is not None:  # this member's peer groups speak MCP <major>.x
+            kw = job._settings.core_kwargs  # (Settings is frozen: set on this one instance)
+            object.__setattr__(
+                job._settings, "core_kwargs", lambda: {**kw(), "protocol_major": major}
+            )
+        try:
+            job.begin()
+        except BaseException as e:  # collected and asserted below
+            errors.append(e)
+            took.append(time.monotonic() - t0)
+        finally:
+            job.close()
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in (None, 2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        c.close()
+    mismatches = [e for e in errors if isinstance(e, mcp.VersionMismatchError)]
+    assert mismatches, errors
+    # Raised at the first refused handshake (2 s here, most of it forming the epoch), not
+    # after the 20 s join timeout that another attempt would end in.
+    assert min(took) < 15, took
+    assert "speaks MCP 2." in str(mismatches[0]) or "peer speaks MCP 2." in str(mismatches[0])
+
+
 def test_missing_settings_are_named():
     with pytest.raises(ValueError, match="coordinator"):
         _numpy_job("", {"w": np.zeros(2, np.float32)}, secret=SECRET)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from .errors import MCPError, MCPTimeoutError
+from .errors import AuthenticationError, MCPError, MCPTimeoutError, VersionMismatchError
 from .group import Group
 from .settings import Settings, env_float
 
@@ -72,6 +72,11 @@ class _Epoch:
 class _Counters:
     changes: list[EpochChange] = field(default_factory=list)
     failed_steps: int = 0
+
+
+# Errors another attempt cannot mend: a member of another protocol version, or one that does
+# not hold the epoch's secret, would be refused again until the timeout hid the cause.
+_WONT_HEAL = (AuthenticationError, VersionMismatchError)
 
 
 class ElasticJob:
@@ -275,6 +280,8 @@ class ElasticJob:
             self._seen = ann["epoch"]
             try:
                 group = self._connect(ann)
+            except _WONT_HEAL:
+                raise
             except MCPError:
                 continue
             # Watched from here on: a member dying during the heal aborts it at once.

@@ -9,12 +9,19 @@ skipped for needing a GPU, NCCL or Gloo-only features; 6 minutes on 2 vCPUs)::
 Not named ``test_*``: it is collected only when named on the command line.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("BACKEND", "mcp")
 os.environ.setdefault("WORLD_SIZE", "2")
-os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="mcp-pytorch-suite-"))
+if "TEMP_DIR" not in os.environ:
+    # Made once, by the process that runs the suite (its spawned ranks inherit the variable),
+    # and removed when it exits.
+    _temp_dir = tempfile.mkdtemp(prefix="mcp-pytorch-suite-")
+    os.environ["TEMP_DIR"] = _temp_dir
+    atexit.register(shutil.rmtree, _temp_dir, ignore_errors=True)
 
 from torch.testing._internal.common_utils import run_tests
 from torch.testing._internal.distributed.distributed_test import (
