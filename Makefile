@@ -60,7 +60,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(PYDIRS)
 
 rust-test:
-	cargo test -p mcp-core
+	cargo test -p mcp-delta -p mcp-core
 
 py-test: $(BUILT) net-tools
 	$(PY) -m pytest

@@ -9,6 +9,7 @@ use mcp_core::{DType, ReduceOp};
 use std::hint::black_box;
 use std::time::Duration;
 
+#[path = "../../bench-common/mod.rs"]
 mod common;
 
 const N: usize = 4 << 20; // 16 MiB of f32

@@ -5,16 +5,15 @@
 //!
 //! The algorithms are written against the [`transport::Transport`] trait and run unchanged on
 //! QUIC ([`transport::quic`]) and in memory ([`transport::mem`]), where `cargo test` checks
-//! them with seeded faults. There is no Python here; `rust/mcp-py` binds it.
+//! them with seeded faults. There is no Python here; `rust/mcp-py` binds it. The checkpoint
+//! delta encoder and the entropy coders the lossless codec uses are the crate `mcp-delta`.
 
 pub mod backoff;
 pub mod buffer;
 pub mod codec;
 pub mod collectives;
 pub mod config;
-pub mod delta;
 pub mod dtype;
-pub mod entropy;
 pub mod error;
 pub mod fec;
 pub mod group;

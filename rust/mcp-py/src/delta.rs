@@ -1,11 +1,11 @@
-//! Python binding of the checkpoint delta codec (`mcp_core::delta`).
+//! Python binding of the checkpoint delta codec (the crate `mcp-delta`).
 //!
 //! Tensors cross the boundary as C-contiguous byte buffers (a `uint8` view of a numpy array
 //! or torch tensor) plus a dtype name and a shape; they are read and written in place and the
 //! GIL is released while the codec runs. Decoding errors raise
 //! `mcp_fast.delta.DeltaCodecError` (an `MCPError`); bad arguments raise `ValueError`.
 
-use mcp_core::delta::{self, DType, DeltaError, EncodeOptions};
+use mcp_delta::{self as delta, DType, DeltaError, EncodeOptions};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

@@ -9,8 +9,8 @@
 //! [u32 LE header: bit 31 = zstd, bit 30 = Huffman, bits 0..30 = stored length] [stored bytes]
 //! ```
 //!
-//! The coder is chosen by the plane's sampled entropy ([`crate::entropy::choose`]): zstd for
-//! mostly-constant planes, canonical Huffman ([`crate::entropy::huffman`]) for the exponent
+//! The coder is chosen by the plane's sampled entropy ([`mcp_delta::entropy::choose`]): zstd for
+//! mostly-constant planes, canonical Huffman ([`mcp_delta::entropy::huffman`]) for the exponent
 //! planes (order-0 redundancy only, several times faster than zstd), raw for the noisy
 //! mantissa planes. A plane that its coder does not shrink is stored raw (its length must then
 //! be the chunk's element count). Payloads without bit 30 (before Huffman) decode unchanged. Chunks bound the decoder's scratch (`CHUNK · size` bytes), so
@@ -18,8 +18,8 @@
 //! only bytes are moved.
 
 use crate::dtype::DType;
-use crate::entropy::{choose, huffman, Choice};
 use crate::error::{Error, Result};
+use mcp_delta::entropy::{choose, huffman, Choice};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicI32, Ordering};
 use zstd::bulk::{Compressor, Decompressor};

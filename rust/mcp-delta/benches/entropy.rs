@@ -1,13 +1,14 @@
-//! Per-plane coders on one core: `cargo bench -p mcp-core --bench entropy`.
+//! Per-plane coders on one core: `cargo bench -p mcp-delta --bench entropy`.
 //!
 //! The four byte planes of 16 MiB of float32 gradients (as in the `codec` bench), each coded
 //! as the lossless codec and the delta encoder would see it, in 64 Ki-byte planes: sampled
 //! entropy, then ratio and MB/s (of plane bytes) of canonical Huffman and of zstd level 1.
 
-use mcp_core::entropy::{huffman, sampled_entropy};
+use mcp_delta::entropy::{huffman, sampled_entropy};
 use std::hint::black_box;
 use std::time::Duration;
 
+#[path = "../../bench-common/mod.rs"]
 mod common;
 
 const N: usize = 4 << 20;

@@ -1,11 +1,12 @@
 //! Throughput of the checkpoint delta codec on one and two threads, for float32 and bfloat16 tensors
 //! shaped like consecutive checkpoints: weights decayed by AdamW's factor plus a small
-//! update. `cargo bench --bench delta`; the Python comparison with ZipNN on a real training
+//! update. `cargo bench -p mcp-delta --bench delta`; the Python comparison with ZipNN on a real training
 //! run is `benches/delta_vs_zipnn.py`.
 
+#[path = "../../bench-common/mod.rs"]
 mod common;
 
-use mcp_core::delta::{decode_into, encode, DType, EncodeOptions};
+use mcp_delta::{decode_into, encode, DType, EncodeOptions};
 use std::time::Duration;
 
 fn main() {

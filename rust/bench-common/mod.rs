@@ -1,4 +1,5 @@
-//! What the codec benches share: the gradient-shaped input and the best-of-runs timer.
+//! What the benches of mcp-core and mcp-delta share (each includes this file with `#[path]`):
+//! the gradient-shaped input and the best-of-runs timer.
 
 use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};

@@ -19,10 +19,10 @@ use std::sync::{mpsc, Mutex};
 
 use super::byteplane::{self, Transform};
 use super::dtype::{DType, ElementDiff};
-use super::entropy::{Method, PlaneDecoder, PlaneEncoder};
 use super::error::{DeltaError, Result};
 use super::lossy;
 use super::magnitude;
+use super::planes::{Method, PlaneDecoder, PlaneEncoder};
 use super::predict;
 
 const MAGIC: &[u8; 4] = b"MCDT";

@@ -1,5 +1,8 @@
-//! Checkpoint delta encoder: lossless (and optionally lossy) coding of a tensor against the
-//! same tensor at the previous checkpoint.
+//! mcp-delta: the checkpoint delta encoder of mcp_fast — lossless (and optionally lossy)
+//! coding of a tensor against the same tensor at the previous checkpoint — and the order-0
+//! byte-plane entropy coders ([`entropy`]) that mcp-core's lossless wire codec shares. It has
+//! its own [`DType`] (other codes than the wire's) and its own [`DeltaError`]; nothing here
+//! does I/O or knows of the network.
 //!
 //! The pipeline, per independently coded chunk of [`DEFAULT_CHUNK_BYTES`]:
 //! 1. transform every element against the previous one — XOR for opaque bytes, wrapping
@@ -19,24 +22,25 @@
 //! absolute error (`lossy`); it is never the default.
 //!
 //! ```
-//! use mcp_core::delta::{decode, encode, DType, EncodeOptions, Mode};
+//! use mcp_delta::{decode, encode, DType, EncodeOptions, Mode};
 //! let prev: Vec<u8> = (0..64u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
 //! let cur: Vec<u8> = (0..64u32).flat_map(|i| (i as f32 + 0.5).to_le_bytes()).collect();
 //! let blob = encode(DType::F32, &[8, 8], Some(&prev), &cur, &EncodeOptions::default())?;
 //! assert_eq!(blob.mode(), Mode::Delta);
 //! let (info, back) = decode(&blob.into_vec(), Some(&prev), 0)?;
 //! assert_eq!((back, info.shape), (cur, vec![8, 8]));
-//! # Ok::<(), mcp_core::delta::DeltaError>(())
+//! # Ok::<(), mcp_delta::DeltaError>(())
 //! ```
 
 mod bits;
 mod byteplane;
 mod container;
 mod dtype;
-mod entropy;
+pub mod entropy;
 mod error;
 mod lossy;
 mod magnitude;
+mod planes;
 mod predict;
 mod rans;
 
@@ -46,8 +50,8 @@ pub use container::{
     DEFAULT_CHUNK_BYTES,
 };
 pub use dtype::DType;
-pub use entropy::Method;
 pub use error::{DeltaError, Result};
+pub use planes::Method;
 
 #[cfg(test)]
 mod tests;

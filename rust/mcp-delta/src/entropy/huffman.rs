@@ -18,7 +18,7 @@
 //! fills the output or returns a [`HuffmanError`]; it never panics or reads out of bounds.
 //!
 //! ```
-//! use mcp_core::entropy::huffman;
+//! use mcp_delta::entropy::huffman;
 //! let data = b"abracadabra, abracadabra, abracadabra".repeat(10);
 //! let mut coded = Vec::new();
 //! assert!(huffman::encode(&data, &mut coded));
