@@ -26,8 +26,10 @@
 use super::stream_lane::Sent;
 use super::{QuicTransport, WriteFail, MAX_FRAME_PAYLOAD};
 use crate::error::{Error, Result};
+use crate::fec::rounds::CONTROL_HEAD;
 use crate::fec::{
-    parity_for, LossEstimator, Received, TransferPlan, TransferReceiver, TransferSender,
+    parity_for, Control, LossEstimator, Received, RepairRequester, RepairSender, RequesterStep,
+    RoundsEnd, SenderStep, TransferPlan, TransferReceiver, TransferSender,
 };
 use crate::transport::{Frame, MsgKey, Payload};
 use crate::wire::{Header, HEADER_FIXED};
@@ -59,12 +61,6 @@ const LIVE_BYTES: u64 = 4 << 30;
 const CANCELLED: u32 = 0x4d42;
 /// Stream reset code: the sender could not complete the transfer.
 const FAILED: u32 = 0x4d43;
-
-const MSG_END: u8 = 1;
-const MSG_NACKS: u8 = 2;
-const MSG_DONE: u8 = 3;
-/// Largest control message body (a NACK list).
-const MAX_MSG: usize = 4 << 20;
 
 /// Which lane a frame takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -381,18 +377,17 @@ async fn drained(t: &QuicTransport, peer: usize, conn: &Connection) {
     }
 }
 
-async fn write_msg(send: &mut SendStream, kind: u8, body: &[u8]) -> bool {
-    let mut m = Vec::with_capacity(5 + body.len());
-    m.push(kind);
-    m.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    m.extend_from_slice(body);
-    send.write_all(&m).await.is_ok()
+async fn write_msg(send: &mut SendStream, msg: &Control) -> bool {
+    match msg.encode() {
+        Ok(m) => send.write_all(&m).await.is_ok(),
+        Err(_) => false,
+    }
 }
 
 /// What reading a control message gave.
 enum Msg {
-    /// A message: its kind and body.
-    Got(u8, Vec<u8>),
+    /// A message.
+    Got(Control),
     /// The peer reset the stream with this code.
     Reset(u64),
     /// The stream ended or failed otherwise.
@@ -408,19 +403,18 @@ fn reset_code(e: &quinn::ReadExactError) -> Option<u64> {
 
 /// Reads one control message.
 async fn read_msg(recv: &mut RecvStream) -> Msg {
-    let mut head = [0u8; 5];
+    let mut head = [0u8; CONTROL_HEAD];
     if let Err(e) = recv.read_exact(&mut head).await {
         return reset_code(&e).map_or(Msg::End, Msg::Reset);
     }
-    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
-    if len > MAX_MSG {
+    let Ok((kind, len)) = Control::read_head(head) else {
         return Msg::End;
-    }
+    };
     let mut body = vec![0u8; len];
     if let Err(e) = recv.read_exact(&mut body).await {
         return reset_code(&e).map_or(Msg::End, Msg::Reset);
     }
-    Msg::Got(head[0], body)
+    Control::decode(kind, &body).map_or(Msg::End, Msg::Got)
 }
 
 /// The sender's side after the first pass: END, then NACKs answered with repairs, until
@@ -441,62 +435,50 @@ async fn serve_repairs(
         .upgrade()
         .map(|t| (t.cfg.idle_timeout, t.cfg.bulk.repair_rounds))
         .unwrap_or((Duration::from_secs(30), MAX_ROUNDS));
-    let outcome = async {
-        for round in 0..rounds {
-            let Some(t) = me.upgrade() else {
-                return Repairs::Broken;
-            };
-            drained(&t, peer, conn).await;
-            drop(t);
-            if !write_msg(&mut send, MSG_END, &round.to_le_bytes()).await {
-                return Repairs::Broken;
-            }
-            let msg = match tokio::time::timeout(idle, read_msg(&mut recv)).await {
-                Ok(Msg::Got(kind, body)) => (kind, body),
-                Ok(_) => return Repairs::Broken,
-                Err(_) => return Repairs::Unfinished,
-            };
-            match msg {
-                (MSG_DONE, _) => return Repairs::Done,
-                (MSG_NACKS, body) => {
-                    let Some(t) = me.upgrade() else {
-                        return Repairs::Broken;
-                    };
-                    let mut at = 0;
-                    while at < body.len() {
-                        let Ok((nack, used)) = crate::fec::Nack::decode(&body[at..]) else {
-                            return Repairs::Broken;
-                        };
-                        at += used;
-                        let Ok(shards) = tx.repair(&nack) else {
-                            return Repairs::Unfinished;
-                        };
-                        t.stats
-                            .repair_shards
-                            .fetch_add(shards.len() as u64, Ordering::Relaxed);
-                        for s in shards {
-                            match t.send_shard(peer, conn, s).await {
-                                Ok(()) => {}
-                                Err(WriteFail::TooLarge) => return Repairs::Unfinished,
-                                Err(_) => return Repairs::Broken,
-                            }
-                        }
-                    }
+    let mut rounds = RepairSender::new(rounds, idle);
+    let mut step = rounds.start(Instant::now());
+    let outcome = loop {
+        step = match step {
+            SenderStep::Finished(end) => break end,
+            SenderStep::SendEnd(round) => {
+                let Some(t) = me.upgrade() else {
+                    break RoundsEnd::Broken;
+                };
+                drained(&t, peer, conn).await;
+                drop(t);
+                if !write_msg(&mut send, &Control::End { round }).await {
+                    break RoundsEnd::Broken;
                 }
-                _ => return Repairs::Broken,
+                let wait = rounds
+                    .poll_timeout()
+                    .map_or(idle, |t| t.saturating_duration_since(Instant::now()));
+                match tokio::time::timeout(wait, read_msg(&mut recv)).await {
+                    Ok(Msg::Got(msg)) => rounds.on_message(msg),
+                    Ok(_) => break RoundsEnd::Broken,
+                    Err(_) => rounds
+                        .handle_timeout(Instant::now())
+                        .unwrap_or(SenderStep::Finished(RoundsEnd::Unfinished)),
+                }
             }
-        }
-        Repairs::Unfinished
-    }
-    .await;
+            SenderStep::Repair(nacks) => {
+                let Some(t) = me.upgrade() else {
+                    break RoundsEnd::Broken;
+                };
+                match send_repairs(&t, peer, conn, &mut tx, &nacks).await {
+                    Ok(()) => rounds.repairs_sent(Instant::now()),
+                    Err(end) => break end,
+                }
+            }
+        };
+    };
     match outcome {
-        Repairs::Done => {
+        RoundsEnd::Done => {
             let _ = send.finish();
         }
         // The connection broke before DONE: the receiver may not even have seen the
         // transfer, so the frame goes again on the next connection (a copy it filed already
         // is dropped). A stream the receiver reset on a live connection carried its verdict.
-        Repairs::Broken => {
+        RoundsEnd::Broken => {
             let _ = send.reset(quinn::VarInt::from_u32(FAILED));
             if conn.close_reason().is_some() {
                 if let Some(t) = me.upgrade() {
@@ -504,7 +486,7 @@ async fn serve_repairs(
                 }
             }
         }
-        Repairs::Unfinished => {
+        RoundsEnd::Unfinished => {
             let Some(t) = me.upgrade() else { return };
             if conn.close_reason().is_some() {
                 let _ = send.reset(quinn::VarInt::from_u32(FAILED));
@@ -523,15 +505,29 @@ async fn serve_repairs(
     }
 }
 
-/// How a transfer's repair rounds ended.
-enum Repairs {
-    /// The receiver rebuilt the payload.
-    Done,
-    /// The stream or the connection broke, or the peer spoke nonsense.
-    Broken,
-    /// The connection lives but the repairs cannot finish the transfer (round limit, a
-    /// repair shard too large for the path's datagrams now, no answer in time).
-    Unfinished,
+/// Sends the shards `nacks` name. A repair shard too large for the path's datagrams now
+/// (its MTU fell) or a NACK the transfer cannot answer leaves the repairs unfinished.
+async fn send_repairs(
+    t: &QuicTransport,
+    peer: usize,
+    conn: &Connection,
+    tx: &mut TransferSender,
+    nacks: &[crate::fec::Nack],
+) -> std::result::Result<(), RoundsEnd> {
+    for nack in nacks {
+        let shards = tx.repair(nack).map_err(|_| RoundsEnd::Unfinished)?;
+        t.stats
+            .repair_shards
+            .fetch_add(shards.len() as u64, Ordering::Relaxed);
+        for s in shards {
+            match t.send_shard(peer, conn, s).await {
+                Ok(()) => {}
+                Err(WriteFail::TooLarge) => return Err(RoundsEnd::Unfinished),
+                Err(_) => return Err(RoundsEnd::Broken),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One transfer in reception.
@@ -776,7 +772,7 @@ pub(super) async fn receive_transfer(
     let filed = match res {
         Ok(None) => return Ok(()), // withdrawn: the frame comes on a stream
         Ok(Some(bytes)) => {
-            let _ = write_msg(&mut send, MSG_DONE, &[]).await;
+            let _ = write_msg(&mut send, &Control::Done).await;
             let _ = send.finish();
             let payload = Payload::from(bytes);
             t.stats.frames_received.fetch_add(1, Ordering::Relaxed);
@@ -829,7 +825,7 @@ async fn run_transfer(
     let reader = tokio::spawn(async move {
         loop {
             let item = match read_msg(&mut recv).await {
-                Msg::Got(MSG_END, body) if body.len() == 4 => true,
+                Msg::Got(Control::End { .. }) => true,
                 Msg::Reset(code) if code == u64::from(CANCELLED) => false,
                 _ => break,
             };
@@ -839,8 +835,7 @@ async fn run_transfer(
         }
     });
     let res = async {
-        let mut nack_at: Option<tokio::time::Instant> = None;
-        let mut last_progress = Instant::now();
+        let mut rounds = RepairRequester::new(Instant::now(), idle);
         loop {
             if let Some(e) = transfer.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
                 return Err(e);
@@ -848,17 +843,12 @@ async fn run_transfer(
             if transfer.is_complete() {
                 break;
             }
-            let wake = nack_at.unwrap_or_else(|| tokio::time::Instant::now() + idle);
+            let wake = tokio::time::Instant::from_std(rounds.poll_timeout());
             tokio::select! {
-                _ = transfer.notify.notified() => { last_progress = Instant::now(); }
+                _ = transfer.notify.notified() => rounds.on_progress(Instant::now()),
                 m = msgs.recv() => match m {
                     Some(false) => return Ok(None),
-                    Some(true) => {
-                        // Shards sent just before END may still be on their way.
-                        let grace = (conn.rtt() / 2).max(Duration::from_millis(1)) + Duration::from_millis(1);
-                        nack_at = Some(tokio::time::Instant::now() + grace);
-                        last_progress = Instant::now();
-                    }
+                    Some(true) => rounds.on_end(Instant::now(), conn.rtt()),
                     None => {
                         if transfer.is_complete() { break; }
                         if let Some(c) = conn.close_reason() {
@@ -870,32 +860,28 @@ async fn run_transfer(
                         )));
                     }
                 },
-                _ = tokio::time::sleep_until(wake) => {
-                    if nack_at.is_some() {
-                        nack_at = None;
-                        let body = {
+                _ = tokio::time::sleep_until(wake) => match rounds.handle_timeout(Instant::now()) {
+                    Some(RequesterStep::SendNacks) => {
+                        let nacks = {
                             let g = transfer.rx.lock().unwrap_or_else(|p| p.into_inner());
                             let Some(rx) = g.as_ref() else { break };
                             if rx.is_complete() { break; }
                             let p = conn.stats().path;
                             let loss = (p.lost_packets as f64 / p.sent_packets.max(1) as f64).clamp(0.05, 0.5);
-                            let mut body = Vec::new();
-                            for n in rx.nacks(loss, 1e-2) {
-                                n.encode_into(&mut body)?;
-                                if body.len() > MAX_MSG - 1024 { break; }
-                            }
-                            body
+                            rx.nacks(loss, 1e-2)
                         };
-                        if !write_msg(send, MSG_NACKS, &body).await {
+                        if !write_msg(send, &Control::Nacks(nacks)).await {
                             return Err(Error::Protocol("FEC lane: the sender went away".into()));
                         }
-                    } else if last_progress.elapsed() >= idle {
+                    }
+                    Some(RequesterStep::Stalled(after)) => {
                         return Err(Error::Timeout {
                             what: format!("FEC lane transfer {} stalled", plan.transfer_id),
-                            after: idle,
+                            after,
                         });
                     }
-                }
+                    None => {}
+                },
             }
         }
         let rx = transfer
