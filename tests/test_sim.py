@@ -53,6 +53,31 @@ def test_bad_arguments_are_value_errors(kwargs: dict[str, object]) -> None:
         _core.sim_all_reduce(world, algorithm, nbytes, **args)  # type: ignore[arg-type]
 
 
+def test_a_rendezvous_takes_a_latency_each_way_and_rank_0s_card_sending_the_tables() -> None:
+    # 8 hosts at 8 Gbit/s (1 GB/s), 1 ms RTT: the Hellos arrive half a round trip after the
+    # start, rank 0's card sends the 7 tables one after the other, the last lands half a
+    # round trip later.
+    out = sim._meet(8, 1, inter_gbps=8.0, inter_rtt_s=1e-3)
+    assert out["ok_ranks"] == 8 and out["error"] is None
+    assert 7 * out["table_bytes"] < out["rank0_bytes"] < 7 * (out["table_bytes"] + 200)
+    assert out["elapsed_s"] == pytest.approx(1e-3 + out["rank0_bytes"] / 1e9, abs=2e-6)
+    # Beyond --max-meet, two smaller rendezvous predict it (rank 0 sends W - G tables of W
+    # lines).
+    whole = sim._meet(256, 8, inter_gbps=8.0, inter_rtt_s=1e-3)
+    est, note = sim._rendezvous(256, 8, 128, inter_gbps=8.0, inter_rtt_s=1e-3)
+    assert note == "~ extrapolated from 128 and 64 ranks"
+    assert est["elapsed_s"] == pytest.approx(whole["elapsed_s"], rel=0.05)
+    assert est["rank0_bytes"] == pytest.approx(whole["rank0_bytes"], rel=0.05)
+
+
+@pytest.mark.parametrize("kwargs", [{"world": 0}, {"inter_rtt_s": -1.0}, {"loss": 0.95}])
+def test_bad_rendezvous_arguments_are_value_errors(kwargs: dict[str, Any]) -> None:
+    args: dict[str, Any] = {"world": 4}
+    args.update(kwargs)
+    with pytest.raises(ValueError):
+        _core.sim_rendezvous(**args)
+
+
 def test_the_cli_prints_every_strategy_and_its_arithmetic_holds(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -85,6 +110,7 @@ def test_the_cli_prints_every_strategy_and_its_arithmetic_holds(
     # first keep-alive; its limit is 2 x 5 s + min(1 s, 5 s / 4), passed at the check of 11.25 s
     # (every 1.25 s), and the aborts cross in microseconds.
     assert doc["facts"]["abort_after_failure_s"] == pytest.approx(11.25 - 1e-3, abs=1e-3)
+    assert doc["facts"]["rendezvous_s"] > 0 and doc["facts"]["rendezvous_note"] == ""
 
 
 def test_the_cli_refuses_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,6 +46,18 @@ def sim_all_reduce(
     intra_overhead_s: float = 0.0,
     inter_overhead_s: float = 0.0,
 ) -> dict[str, Any]: ...
+def sim_rendezvous(
+    world: int,
+    *,
+    ranks_per_host: int = 1,
+    intra_gbps: float = 2400.0,
+    intra_rtt_s: float = 4e-6,
+    inter_gbps: float = 100.0,
+    inter_rtt_s: float = 20e-6,
+    loss: float = 0.0,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]: ...
 
 @final
 class Work:

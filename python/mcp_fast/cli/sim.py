@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.5e6,
         help="largest simulation (frames); larger rings are extrapolated",
     )
+    p.add_argument(
+        "--max-meet",
+        type=int,
+        default=1024,
+        help="largest simulated rendezvous (ranks); larger ones are extrapolated",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -181,6 +187,35 @@ def _ring(
     est["mean_rank_bytes"] = r1["mean_rank_bytes"] * (2 * (world - 1) / world) / y1
     est["host_card_bytes"] = r1["host_card_bytes"] * (2 * (world - 1) / world) / y1
     return est, f"~ extrapolated from rings of {w1} and {w2}"
+
+
+def _meet(world: int, group: int, **kw: Any) -> dict[str, Any]:
+    out = _core.sim_rendezvous(world, ranks_per_host=group, **kw)
+    if out["error"] is not None:
+        raise MCPError(f"the simulated rendezvous of {world} ranks failed: {out['error']}")
+    return out
+
+
+def _rendezvous(world: int, group: int, max_ranks: int, **kw: Any) -> tuple[dict[str, Any], str]:
+    """The rendezvous (every Hello to rank 0, the table back to each rank), simulated whole up
+    to ``max_ranks`` (every rank parses the whole table, so the simulation grows as W²) and
+    beyond it extrapolated from two smaller ones by T(W) = a + b·W(W-G): rank 0's card sends
+    a table of W lines to each of the W - G ranks on other hosts."""
+    if world <= max_ranks:
+        return _meet(world, group, **kw), ""
+    w1 = max(2 * group, max_ranks // group * group)
+    w2 = max(group, w1 // 2 // group * group)
+    r1, r2 = _meet(w1, group, **kw), _meet(w2, group, **kw)
+    x1, x2 = w1 * (w1 - group), w2 * (w2 - group)
+    b = (r1["elapsed_s"] - r2["elapsed_s"]) / (x1 - x2)
+    a = r1["elapsed_s"] - b * x1
+    x = world * (world - group)
+    est = dict(r1)
+    est["elapsed_s"] = a + b * x
+    est["table_bytes"] = r1["table_bytes"] * world / w1
+    est["rank0_bytes"] = r1["rank0_bytes"] * x / x1
+    est["ok_ranks"] = world
+    return est, f"~ extrapolated from {w1} and {w2} ranks"
 
 
 def _settings(args: argparse.Namespace) -> argparse.Namespace:
@@ -248,6 +283,9 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         fail_n, "ring", grad / g, ranks_per_host=1, fail_rank=fail_n // 2, fail_at_s=1e-3, **inter
     )
     abort_s = failed["elapsed_s"] - 1e-3
+    # Forming the job (and each new epoch or restart after a failure): the real rendezvous.
+    meet_link = {k: v for k, v in link.items() if k != "heartbeat_s"}
+    meet, meet_note = _rendezvous(n * g, g, args.max_meet, **meet_link)
     ckpt_bytes = args.params * args.checkpoint_bytes_per_param
     full_write_s = ckpt_bytes / (n * args.disk_gbps * 1e9 / 8)
     delta_write_s = full_write_s * args.delta_ratio
@@ -256,6 +294,10 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         "intra_host_all_reduce_s": intra_s,
         "abort_after_failure_s": abort_s,
         "abort_errors": fail_n - failed["ok_ranks"],
+        "rendezvous_s": meet["elapsed_s"],
+        "rendezvous_table_bytes": meet["table_bytes"],
+        "rendezvous_rank0_bytes": meet["rank0_bytes"],
+        "rendezvous_note": meet_note,
         "checkpoint_full_bytes": ckpt_bytes,
         "checkpoint_delta_bytes": ckpt_bytes * args.delta_ratio,
         "checkpoint_full_write_s": full_write_s,
@@ -269,10 +311,17 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         ckpts = args.steps / args.checkpoint_every
         ckpt_s = full_write_s + max(0.0, ckpts - 1) * delta_write_s
         base = args.steps * step + ckpt_s
+        # Survivors meet again in a new epoch (or the restarted job meets) and redo work.
         if args.checkpoint == "elastic":
-            per_failure = abort_s + step  # survivors re-form and redo the step
+            per_failure = abort_s + meet["elapsed_s"] + step
         else:
-            per_failure = abort_s + args.restart_s + full_write_s + step * args.checkpoint_every / 2
+            per_failure = (
+                abort_s
+                + args.restart_s
+                + meet["elapsed_s"]
+                + full_write_s
+                + step * args.checkpoint_every / 2
+            )
         failures = n * args.failure_rate * base / DAY_S
         lost = failures * per_failure
         total = base + lost
@@ -319,6 +368,13 @@ def _print(args: argparse.Namespace, rows: list[Row], facts: dict[str, Any]) -> 
         f" checkpoint {_si(facts['checkpoint_full_bytes'], 'B')} full,"
         f" {_si(facts['checkpoint_delta_bytes'], 'B')} delta, written in"
         f" {facts['checkpoint_full_write_s']:.2f} s / {facts['checkpoint_delta_write_s']:.2f} s"
+    )
+    table = _si(facts["rendezvous_table_bytes"], "B")
+    print(
+        f"forming the job: {args.nodes * args.gpus_per_node} ranks meet in"
+        f" {facts['rendezvous_s'] * 1e3:.1f} ms (rank 0 sends"
+        f" {_si(facts['rendezvous_rank0_bytes'], 'B')}, a table of {table} to each rank)"
+        f" {facts['rendezvous_note']}".rstrip()
     )
     fit = [r for r in rows if r.fits]
     best = min(rows, key=lambda r: r.training_s)

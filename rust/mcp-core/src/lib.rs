@@ -23,6 +23,7 @@ pub mod model_decl;
 pub mod netem;
 pub mod ps;
 pub mod reduce;
+pub mod rendezvous;
 pub mod sim;
 pub mod topology;
 pub mod transport;

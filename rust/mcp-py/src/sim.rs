@@ -1,8 +1,9 @@
-//! The simulator's entry point for `mcp-sim`: one all-reduce in virtual time.
+//! The simulator's entry points for `mcp-sim`: one all-reduce, or one rendezvous, in
+//! virtual time.
 
 use crate::errors::to_py;
 use mcp_core::group::Algorithm;
-use mcp_core::sim::{time_all_reduce, Fault, LinkSpec, SimConfig, Topology};
+use mcp_core::sim::{time_all_reduce, time_rendezvous, Fault, LinkSpec, SimConfig, Topology};
 use mcp_core::wire::Codec;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -14,6 +15,23 @@ fn secs(what: &str, s: f64) -> PyResult<Duration> {
         PyValueError::new_err(format!(
             "{what} must be a non-negative number of seconds, got {s}"
         ))
+    })
+}
+
+/// The hosts and links: `(Gbit/s, RTT s, overhead s)` inside and between hosts.
+fn topology(
+    ranks_per_host: usize,
+    intra: (f64, f64, f64),
+    inter: (f64, f64, f64),
+    loss: f64,
+) -> PyResult<Topology> {
+    Ok(Topology {
+        ranks_per_host,
+        intra: LinkSpec::new(secs("intra_rtt_s", intra.1)?, intra.0 * 1e9 / 8.0)
+            .with_overhead(secs("intra_overhead_s", intra.2)?),
+        inter: LinkSpec::new(secs("inter_rtt_s", inter.1)?, inter.0 * 1e9 / 8.0)
+            .with_loss(loss)
+            .with_overhead(secs("inter_overhead_s", inter.2)?),
     })
 }
 
@@ -54,14 +72,12 @@ pub fn sim_all_reduce<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let algorithm = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
     let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-    let topology = Topology {
+    let topology = topology(
         ranks_per_host,
-        intra: LinkSpec::new(secs("intra_rtt_s", intra_rtt_s)?, intra_gbps * 1e9 / 8.0)
-            .with_overhead(secs("intra_overhead_s", intra_overhead_s)?),
-        inter: LinkSpec::new(secs("inter_rtt_s", inter_rtt_s)?, inter_gbps * 1e9 / 8.0)
-            .with_loss(loss)
-            .with_overhead(secs("inter_overhead_s", inter_overhead_s)?),
-    };
+        (intra_gbps, intra_rtt_s, intra_overhead_s),
+        (inter_gbps, inter_rtt_s, inter_overhead_s),
+        loss,
+    )?;
     let mut cfg = SimConfig::new(world, topology);
     cfg.seed = seed;
     cfg.heartbeat = secs("heartbeat_s", heartbeat_s)?;
@@ -84,6 +100,49 @@ pub fn sim_all_reduce<'py>(
     d.set_item("frames", t.frames)?;
     d.set_item("ok_ranks", t.ok_ranks)?;
     d.set_item("exact", t.exact)?;
+    d.set_item("error", t.first_error.map(|e| e.to_string()))?;
+    Ok(d)
+}
+
+/// Times the rendezvous of `world` ranks (every rank's Hello to rank 0, the table back to
+/// each) on a simulated network and returns virtual seconds until the last rank had the
+/// table, the table's bytes, the wire bytes rank 0 sent, the ranks that met, and the first
+/// error (a rendezvous longer than `timeout_s` fails).
+#[pyfunction]
+#[pyo3(signature = (
+    world, *, ranks_per_host=1, intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0,
+    inter_rtt_s=20e-6, loss=0.0, seed=0, timeout_s=600.0
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn sim_rendezvous<'py>(
+    py: Python<'py>,
+    world: usize,
+    ranks_per_host: usize,
+    intra_gbps: f64,
+    intra_rtt_s: f64,
+    inter_gbps: f64,
+    inter_rtt_s: f64,
+    loss: f64,
+    seed: u64,
+    timeout_s: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let topology = topology(
+        ranks_per_host,
+        (intra_gbps, intra_rtt_s, 0.0),
+        (inter_gbps, inter_rtt_s, 0.0),
+        loss,
+    )?;
+    let mut cfg = SimConfig::new(world, topology);
+    cfg.seed = seed;
+    let timeout = secs("timeout_s", timeout_s)?;
+    let t = py
+        .detach(|| time_rendezvous(&cfg, timeout))
+        .map_err(|e| to_py(py, e))?;
+    let d = PyDict::new(py);
+    d.set_item("elapsed_s", t.elapsed.as_secs_f64())?;
+    d.set_item("table_bytes", t.table_bytes)?;
+    d.set_item("rank0_bytes", t.rank0_bytes)?;
+    d.set_item("ok_ranks", t.ok_ranks)?;
     d.set_item("error", t.first_error.map(|e| e.to_string()))?;
     Ok(d)
 }

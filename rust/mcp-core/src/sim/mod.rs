@@ -20,10 +20,12 @@
 mod allreduce;
 mod link;
 mod net;
+mod rendezvous;
 
 pub use allreduce::{resolve_auto, time_all_reduce, AllReduceTiming, PIPELINE_CHUNKS};
 pub use link::LinkSpec;
 pub use net::SimTransport;
+pub use rendezvous::{time_rendezvous, RendezvousTiming};
 
 use crate::error::{Error, Result};
 use crate::wire::FrameKind;

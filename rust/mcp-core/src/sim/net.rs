@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::health::{Action, PeerMonitor, ProgressWatch};
 use crate::transport::{Frame, Mailbox, Payload, SeqSpace, Transport};
 use crate::wire::{FrameKind, Header};
+use bytes::Bytes;
 use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -30,7 +31,7 @@ enum Event {
         src: usize,
         dst: usize,
         header: Header,
-        payload: Vec<u8>,
+        payload: Bytes,
     },
     /// A rank dies: it stops sending and receiving.
     Kill(usize),
@@ -101,6 +102,13 @@ struct State {
     pair_free: PairMap<u64>,
     /// When each host's card is free again.
     nic_free: Vec<u64>,
+    /// When the control frames queued on each pair's link inside a host have left.
+    ctl_pair_free: PairMap<u64>,
+    /// When the control frames queued on each host's card have left.
+    ctl_nic_free: Vec<u64>,
+    /// The last control payload sent: the same one sent again (a rendezvous table to every
+    /// rank) shares its bytes instead of holding a copy per frame in flight.
+    last_control: Bytes,
     rngs: PairMap<LinkRng>,
     dead: Vec<Option<u64>>,
     /// Links cut, and when.
@@ -146,7 +154,7 @@ fn note_flow(flows: &mut PairMap<(u64, u64)>, key: (usize, usize), first: u64, l
 
 /// The shared network of one simulation.
 pub(crate) struct SimNet {
-    cfg: SimConfig,
+    pub(super) cfg: SimConfig,
     mailboxes: Vec<Arc<Mailbox>>,
     state: Mutex<State>,
     wake: Notify,
@@ -173,6 +181,9 @@ impl SimNet {
             events: BinaryHeap::new(),
             pair_free: PairMap::default(),
             nic_free: vec![0; w.div_ceil(cfg.topology.ranks_per_host)],
+            ctl_pair_free: PairMap::default(),
+            ctl_nic_free: vec![0; w.div_ceil(cfg.topology.ranks_per_host)],
+            last_control: Bytes::new(),
             rngs: PairMap::default(),
             dead: vec![None; w],
             cut: HashMap::new(),
@@ -360,26 +371,42 @@ impl SimNet {
         }
         let now = self.now_in(&st);
         self.connect(&mut st, src, dst, now);
-        // Aborts and control frames are a few bytes of their own (never scaled), and go ahead
-        // of the data queued on the link, as the transport sends them.
+        // Aborts and control frames are real bytes (never scaled) and go ahead of the data
+        // queued on the link, as the transport sends them; they queue behind each other and
+        // push the data back by their own time on the wire (a rendezvous table sent to every
+        // rank is not free).
         let urgent =
             header.kind == FrameKind::Abort || SeqSpace::of(header.kind) == SeqSpace::Control;
         let scale = if urgent { 1.0 } else { self.cfg.scale };
         let bytes = header.encoded_len() as f64 + payload.len() as f64 * scale;
         let (sh, dh) = (self.host(src), self.host(dst));
-        let (spec, free): (&LinkSpec, &mut u64) = if sh == dh {
+        let state = &mut *st;
+        let (spec, free, ctl_free): (&LinkSpec, &mut u64, &mut u64) = if sh == dh {
             (
                 &self.cfg.topology.intra,
-                st.pair_free.entry((src, dst)).or_insert(0),
+                state.pair_free.entry((src, dst)).or_insert(0),
+                state.ctl_pair_free.entry((src, dst)).or_insert(0),
             )
         } else {
-            (&self.cfg.topology.inter, &mut st.nic_free[sh])
+            (
+                &self.cfg.topology.inter,
+                &mut state.nic_free[sh],
+                &mut state.ctl_nic_free[sh],
+            )
         };
-        let start = if urgent { now } else { now.max(*free) };
-        let end = start.saturating_add(spec.serialise_ns(bytes));
-        if !urgent {
+        let wire = spec.serialise_ns(bytes);
+        let (start, end) = if urgent {
+            let start = now.max(*ctl_free);
+            let end = start.saturating_add(wire);
+            *ctl_free = end;
+            *free = (*free).max(start).saturating_add(wire);
+            (start, end)
+        } else {
+            let start = now.max(*free);
+            let end = start.saturating_add(wire);
             *free = end;
-        }
+            (start, end)
+        };
         let seed = self.cfg.seed;
         let extra = st
             .rngs
@@ -420,13 +447,21 @@ impl SimNet {
                 wire_bytes: bytes as u64,
             });
         }
+        let payload = if !urgent {
+            Bytes::copy_from_slice(payload)
+        } else if st.last_control.as_ref() == payload {
+            st.last_control.clone()
+        } else {
+            st.last_control = Bytes::copy_from_slice(payload);
+            st.last_control.clone()
+        };
         st.schedule(
             arrive,
             Event::Deliver {
                 src,
                 dst,
                 header: header.clone(),
-                payload: payload.to_vec(),
+                payload,
             },
         );
         drop(st);
@@ -457,10 +492,9 @@ impl SimNet {
                         return;
                     }
                 }
-                self.mailboxes[dst].dispatch(Frame {
-                    header,
-                    payload: Payload::from(payload),
-                });
+                let mut p = Payload::new();
+                p.push(payload);
+                self.mailboxes[dst].dispatch(Frame { header, payload: p });
             }
             Event::Kill(r) => {
                 {
@@ -609,7 +643,7 @@ pub(crate) async fn drive(net: Arc<SimNet>, runnable: Arc<AtomicUsize>) {
 /// One rank's end of a simulated network.
 pub struct SimTransport {
     rank: usize,
-    net: Arc<SimNet>,
+    pub(super) net: Arc<SimNet>,
 }
 
 impl SimTransport {

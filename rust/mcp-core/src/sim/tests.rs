@@ -592,3 +592,76 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
     }
     assert_eq!(members.len(), 950);
 }
+
+/// A thousand ranks meet through the rendezvous's own state machine and driver: every rank
+/// gets the same table, naming every rank as it announced itself, and the last table
+/// arrives when rank 0's card has sent the 992 copies bound for other hosts one after the
+/// other (the table is real bytes, never scaled).
+#[test]
+fn a_thousand_ranks_meet_and_rank_0s_card_paces_the_tables() {
+    use crate::transport::meeting::control_header;
+    let w = 1000;
+    let cfg = datacentre(w);
+    let (out, report) = simulate(&cfg, |t| async move {
+        let table = t.meet(Duration::from_secs(10)).await;
+        let own: Vec<_> = (0..t.world_size()).map(|r| t.entry_of(r)).collect();
+        (table, own)
+    })
+    .expect("simulation runs");
+    let first = out[0].0.as_ref().expect("rank 0 met everyone").clone();
+    for (r, (table, own)) in out.iter().enumerate() {
+        let table = table.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(table, &first, "rank {r}");
+        assert_eq!(table.entries(), own.as_slice(), "rank {r}");
+    }
+    assert!(first.entries()[999]
+        .to_line()
+        .starts_with("10.0.0.124:29507 sim-host-124 1999 1"));
+    let bytes = first.encode();
+    let wire = (control_header(0, w, FrameKind::Table, &bytes).encoded_len() + bytes.len()) as f64;
+    let inter = cfg.topology.inter;
+    let paced = Duration::from_secs_f64(992.0 * wire / inter.bandwidth);
+    assert!(paced > Duration::from_millis(2), "{paced:?}");
+    // The Hellos take a latency and a few bytes each; then the card sends the tables.
+    let least = paced + inter.latency;
+    assert!(
+        report.elapsed >= least && report.elapsed <= least + Duration::from_micros(50),
+        "{:?} against {least:?}",
+        report.elapsed
+    );
+}
+
+/// A rank that was never started: rank 0 fails the rendezvous at its deadline naming exactly
+/// that rank, and the others, who never get a table, fail at the same virtual instant.
+#[test]
+fn a_rank_that_never_comes_is_named_at_the_rendezvous_deadline() {
+    let timeout = Duration::from_secs(2);
+    let (out, report) = simulate(&datacentre(40), |t| async move {
+        if t.rank() == 7 {
+            return None;
+        }
+        Some(t.meet(timeout).await)
+    })
+    .expect("simulation runs");
+    for (r, res) in out.iter().enumerate() {
+        match (r, res) {
+            (7, None) => {}
+            (0, Some(Err(Error::Timeout { what, after }))) => {
+                assert!(what.contains("ranks [7] of 40 never arrived"), "{what}");
+                assert_eq!(*after, timeout);
+            }
+            (_, Some(Err(Error::Timeout { what, .. }))) => {
+                assert!(
+                    what.contains("did not send the address table"),
+                    "rank {r}: {what}"
+                )
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert!(
+        report.elapsed >= timeout && report.elapsed <= timeout + Duration::from_millis(2),
+        "{:?}",
+        report.elapsed
+    );
+}

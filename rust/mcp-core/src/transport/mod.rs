@@ -6,6 +6,7 @@
 
 pub mod host;
 mod mailbox;
+pub mod meeting;
 pub mod mem;
 mod payload;
 pub mod quic;

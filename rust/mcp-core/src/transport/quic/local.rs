@@ -3,8 +3,9 @@
 //! same; a peer whose channel could not be set up is reached over QUIC, with a warning
 //! recorded in [`QuicTransport::shm_fallbacks`].
 
-use super::{rendezvous::Entry, QuicTransport, Topology};
+use super::{QuicTransport, Topology};
 use crate::error::{Error, Result};
+use crate::rendezvous::Entry;
 use crate::transport::host;
 use crate::transport::shm::{self, Event, Link, Parts};
 use crate::transport::{Frame, MsgKey};

@@ -1,0 +1,124 @@
+//! The rendezvous over any [`Transport`]: the thin driver of
+//! [`crate::rendezvous::Gathering`], shared by the QUIC transport and the simulator.
+//!
+//! Rank 0 files every Hello that arrives, in whatever order, until the table is complete or
+//! the deadline passes, then sends the table to every rank; the other ranks wait for it. How
+//! a Hello reaches rank 0 is the transport's own business (QUIC says it on every new
+//! connection; the simulator sends it as a frame).
+
+use super::{MsgKey, SeqSpace, Transport};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::rendezvous::{Entry, Gathering, Heard, Table};
+use crate::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+use std::time::{Duration, Instant};
+
+/// The header of a control frame (Hello, Table, Goodbye, Progress) from `rank` of a world of
+/// `world` (carried in `aux`: a rank started with another world size is refused).
+pub fn control_header(rank: usize, world: usize, kind: FrameKind, payload: &[u8]) -> Header {
+    Header {
+        kind,
+        minor: PROTOCOL_MINOR,
+        seq: 0,
+        step: 0,
+        chunk: 0,
+        chunk_count: 1,
+        src: rank as u32,
+        aux: world as u32,
+        spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
+        payload_len: payload.len() as u64,
+        payload_crc: crc32c::crc32c(payload),
+    }
+}
+
+/// The Hello of `rank` in a world of `world`: its entry as payload.
+pub fn hello_frame(rank: usize, world: usize, entry: &Entry) -> (Header, Vec<u8>) {
+    let payload = entry.to_line().into_bytes();
+    (
+        control_header(rank, world, FrameKind::Hello, &payload),
+        payload,
+    )
+}
+
+fn control_key(src: usize) -> MsgKey {
+    MsgKey {
+        src,
+        space: SeqSpace::Control,
+        seq: 0,
+        step: 0,
+        chunk: 0,
+    }
+}
+
+/// The transport's clock (virtual under the simulator's paused runtime).
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Rank 0's side: gathers every rank's Hello until `deadline` (`timeout` after the start,
+/// named in the error) and sends each the table. A Hello that fails the rendezvous is
+/// passed to `refuse` with the error before it is returned, so that the transport can tell
+/// that rank why. `master` is the address the others were told to dial.
+pub async fn gather<T: Transport>(
+    t: &T,
+    own: Entry,
+    deadline: Instant,
+    timeout: Duration,
+    master: &str,
+    refuse: impl FnOnce(usize, &Error),
+) -> Result<Table> {
+    let world = t.world_size();
+    let mut g = Gathering::new(world, own, deadline, timeout, master)?;
+    let table = match g.table_if_complete()? {
+        Some(table) => table,
+        None => loop {
+            let arrival = t.mailbox().arrival();
+            let keys: Vec<MsgKey> = g.missing().into_iter().map(control_key).collect();
+            if let Some(key) = t.mailbox().first_arrived(&keys) {
+                let frame = t.mailbox().recv(key).await?;
+                let line = String::from_utf8_lossy(&frame.payload.to_vec()).into_owned();
+                match g.on_hello(key.src, frame.header.aux as usize, &line) {
+                    Heard::Waiting | Heard::Repeated => continue,
+                    Heard::Complete(table) => break table,
+                    Heard::Refused(e) => {
+                        refuse(key.src, &e);
+                        return Err(e);
+                    }
+                    Heard::Failed(e) => return Err(e),
+                }
+            }
+            tokio::select! {
+                _ = arrival => {}
+                _ = tokio::time::sleep_until(tokio::time::Instant::from_std(g.poll_timeout())) => {
+                    if let Some(e) = g.handle_timeout(now()) {
+                        return Err(e);
+                    }
+                }
+            }
+        },
+    };
+    let bytes = table.encode();
+    let header = control_header(0, world, FrameKind::Table, &bytes);
+    for r in 1..world {
+        t.send_frame(r, &header, &bytes).await?;
+    }
+    Ok(table)
+}
+
+/// A rank other than 0: waits until `deadline` (`timeout` after the start) for rank 0's
+/// table. `master` is rank 0's address, named in the error.
+pub async fn receive_table<T: Transport>(
+    t: &T,
+    deadline: Instant,
+    timeout: Duration,
+    master: &str,
+) -> Result<Table> {
+    let at = tokio::time::Instant::from_std(deadline);
+    match tokio::time::timeout_at(at, t.mailbox().recv(control_key(0))).await {
+        Ok(frame) => Table::decode(&frame?.payload.to_vec(), t.world_size()),
+        Err(_) => Err(Error::Timeout {
+            what: format!("rendezvous: rank 0 at {master} did not send the address table"),
+            after: timeout,
+        }),
+    }
+}
