@@ -1,6 +1,7 @@
-//! A member's side of the membership protocol: it registers with the coordinator (again on
-//! every new connection, with the epoch it runs in, from which a restarted coordinator
-//! rebuilds its state), heartbeats from a task of its own, and waits for epochs.
+//! A member's side of the membership protocol over QUIC: it registers with the coordinator
+//! (again on every new connection, with the epoch it runs in, from which a restarted
+//! coordinator rebuilds its state), heartbeats from a task of its own, and waits for epochs.
+//! The decisions and the heartbeat timer are [`MemberSession`]'s; this is its driver.
 //!
 //! When a heartbeat's answer says the epoch this member runs in is over (a member died or
 //! left, or this one was expelled), the abort hook installed with [`MemberClient::watch`]
@@ -9,14 +10,15 @@
 
 use super::coordinator::Beat;
 use super::server::alpn;
+use super::session::{MemberSession, SessionEvent};
 use super::wire::{Reply, Request, MAX_BODY};
-use super::{Epoch, MemberId, Step, NO_STATE};
+use super::{Epoch, MemberId, Step};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::transport::quic::{endpoint, map_conn_error, tls};
 use quinn::{Connection, Endpoint};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -40,11 +42,6 @@ pub struct MemberConfig {
 /// Runs once when the watched epoch ends.
 pub type AbortHook = Box<dyn FnOnce() + Send>;
 
-struct Watch {
-    epoch: u64,
-    hook: Option<AbortHook>,
-}
-
 struct Inner {
     cfg: MemberConfig,
     endpoint: Endpoint,
@@ -52,12 +49,12 @@ struct Inner {
     conn: tokio::sync::Mutex<Option<Connection>>,
     /// The tether of the current registration (see [`Reply::Welcome`]).
     tether: Mutex<Option<tokio::net::TcpStream>>,
-    view: Mutex<Option<Epoch>>,
-    step: AtomicI64,
+    session: Mutex<MemberSession>,
+    /// The coordinator's last word, for [`MemberClient::ended`].
     beat: tokio::sync::watch::Sender<Option<Beat>>,
-    watch: Mutex<Option<Watch>>,
+    /// The abort hook of the watched epoch.
+    hook: Mutex<Option<(u64, AbortHook)>>,
     closed: AtomicBool,
-    beats: AtomicU64,
     reconnects: AtomicU64,
 }
 
@@ -76,9 +73,7 @@ impl MemberClient {
     /// `Authentication` for another job secret, `SpecMismatch` for a training state that is
     /// not the job's, `Timeout` when the coordinator cannot be reached.
     pub async fn connect(cfg: MemberConfig) -> Result<MemberClient> {
-        if cfg.heartbeat.is_zero() {
-            return Err(Error::InvalidArgument("heartbeat must be positive".into()));
-        }
+        let session = MemberSession::new(cfg.id, cfg.spec.clone(), cfg.heartbeat, Instant::now())?;
         let ip = endpoint::local_ip_towards(cfg.coordinator)?;
         let b = endpoint::control_endpoint(
             SocketAddr::new(ip, 0),
@@ -96,12 +91,10 @@ impl MemberClient {
                 client_cfg: b.client,
                 conn: tokio::sync::Mutex::new(None),
                 tether: Mutex::new(None),
-                view: Mutex::new(None),
-                step: AtomicI64::new(NO_STATE),
+                session: Mutex::new(session),
                 beat: tokio::sync::watch::channel(None).0,
-                watch: Mutex::new(None),
+                hook: Mutex::new(None),
                 closed: AtomicBool::new(false),
-                beats: AtomicU64::new(0),
                 reconnects: AtomicU64::new(0),
                 cfg,
             }),
@@ -119,7 +112,7 @@ impl MemberClient {
 
     /// Records the steps committed (sent with every heartbeat).
     pub fn set_step(&self, step: Step) {
-        self.inner.step.store(step, Ordering::Release);
+        lock(&self.inner.session).set_step(step);
     }
 
     /// The last heartbeat answer.
@@ -138,7 +131,7 @@ impl MemberClient {
     /// Heartbeats answered, and connections made again after one broke.
     pub fn counters(&self) -> (u64, u64) {
         (
-            self.inner.beats.load(Ordering::Relaxed),
+            lock(&self.inner.session).answered(),
             self.inner.reconnects.load(Ordering::Relaxed),
         )
     }
@@ -147,26 +140,28 @@ impl MemberClient {
     /// so). Besides the heartbeats, a request held by the coordinator until the epoch ends
     /// brings the news as soon as there is any.
     pub fn watch(&self, epoch: u64, hook: AbortHook) {
-        let ended = self.beat().is_some_and(|b| b.ends(epoch));
-        if ended {
+        // The hook's lock is held while the session decides, so that an answer arriving
+        // meanwhile finds the hook once it is stored (see `fire`).
+        let mut hooked = lock(&self.inner.hook);
+        if lock(&self.inner.session).watch(epoch).is_some() {
+            drop(hooked);
             hook();
             return;
         }
-        *lock(&self.inner.watch) = Some(Watch {
-            epoch,
-            hook: Some(hook),
-        });
+        *hooked = Some((epoch, hook));
+        drop(hooked);
         tokio::spawn(watch_epoch(Arc::downgrade(&self.inner), epoch));
     }
 
     /// Removes the abort hook.
     pub fn unwatch(&self) {
-        lock(&self.inner.watch).take();
+        lock(&self.inner.session).unwatch();
+        lock(&self.inner.hook).take();
     }
 
     /// Forgets the epoch this member ran in (it was expelled: it will rejoin as new).
     pub fn forget_view(&self) {
-        lock(&self.inner.view).take();
+        lock(&self.inner.session).forget_view();
     }
 
     /// Waits until the coordinator forms an epoch newer than `seen` with this member in it;
@@ -196,7 +191,7 @@ impl MemberClient {
             };
             match self.request(&req, deadline).await {
                 Ok(Reply::Formed(e)) => {
-                    *lock(&self.inner.view) = Some(e.clone());
+                    lock(&self.inner.session).on_formed(e.clone());
                     return Ok(e);
                 }
                 Ok(Reply::Waiting | Reply::Unknown) => {}
@@ -300,22 +295,17 @@ impl MemberClient {
                     .map_err(|e| Error::Io(format!("cannot connect to {who}: {e}")))?
                     .await
                     .map_err(|e| map_conn_error(&e, usize::MAX, &who, "connect"))?;
-                let view = lock(&self.inner.view).clone();
-                let reg = Request::Register {
-                    id: self.id(),
-                    spec: self.inner.cfg.spec.clone(),
-                    view,
-                };
-                match exchange(&conn, &reg, &who).await? {
-                    Reply::Welcome { token, tether } => {
-                        if tether {
-                            self.tie(token).await;
-                        }
-                        Ok(conn)
-                    }
-                    Reply::Refused(why) => Err(Error::SpecMismatch(why)),
-                    other => Err(unexpected("register", &other)),
+                let reg = lock(&self.inner.session).register();
+                let reply = exchange(&conn, &reg, &who).await?;
+                lock(&self.inner.session).on_registered(&reply)?;
+                if let Reply::Welcome {
+                    token,
+                    tether: true,
+                } = reply
+                {
+                    self.tie(token).await;
                 }
+                Ok(conn)
             };
             let left = deadline.saturating_duration_since(Instant::now());
             let res = match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await
@@ -421,14 +411,25 @@ fn unexpected(what: &str, r: &Reply) -> Error {
     Error::Protocol(format!("the coordinator answered {what} with {r:?}"))
 }
 
-/// Fires the watched hook when `beat` says its epoch is over.
+/// The coordinator's word from a watch: tells the waiters and the session.
 fn deliver(inner: &Inner, b: Beat) {
     inner.beat.send_replace(Some(b));
+    let event = lock(&inner.session).on_beat(b);
+    if let Some(SessionEvent::EpochEnded(epoch)) = event {
+        fire(inner, epoch);
+    }
+}
+
+/// Runs the abort hook of `epoch`, if it is the one installed.
+fn fire(inner: &Inner, epoch: u64) {
     let hook = {
-        let mut w = lock(&inner.watch);
-        match w.as_mut() {
-            Some(w) if b.ends(w.epoch) => w.hook.take(),
-            _ => None,
+        let mut h = lock(&inner.hook);
+        match h.take() {
+            Some((e, hook)) if e == epoch => Some(hook),
+            other => {
+                *h = other;
+                None
+            }
         }
     };
     if let Some(h) = hook {
@@ -441,9 +442,7 @@ async fn watch_epoch(inner: std::sync::Weak<Inner>, epoch: u64) {
     loop {
         let client = {
             let Some(i) = inner.upgrade() else { return };
-            let watching = lock(&i.watch)
-                .as_ref()
-                .is_some_and(|w| w.epoch == epoch && w.hook.is_some());
+            let watching = lock(&i.session).watched() == Some(epoch);
             if !watching || i.closed.load(Ordering::Acquire) {
                 return;
             }
@@ -464,44 +463,45 @@ async fn watch_epoch(inner: std::sync::Weak<Inner>, epoch: u64) {
     }
 }
 
-/// Heartbeats in a row without an answer after which the connection is made anew.
-const SILENT_BEATS: u32 = 3;
-
+/// Sends the session's heartbeats when they are due and acts on what their answers say.
 async fn heartbeats(inner: std::sync::Weak<Inner>) {
-    let mut silent = 0;
     loop {
-        let (interval, client) = {
+        let (due, client) = {
             let Some(i) = inner.upgrade() else { return };
             if i.closed.load(Ordering::Acquire) {
                 return;
             }
-            (i.cfg.heartbeat, MemberClient { inner: i })
+            let mut s = lock(&i.session);
+            let due = match s.poll_heartbeat(Instant::now()) {
+                Some(req) => Ok((req, s.answer_limit())),
+                None => Err(s.poll_timeout()),
+            };
+            drop(s);
+            (due, MemberClient { inner: i })
         };
-        let started = Instant::now();
-        let req = Request::Heartbeat {
-            id: client.id(),
-            step: client.inner.step.load(Ordering::Acquire),
+        let (req, limit) = match due {
+            Ok(r) => r,
+            Err(wake) => {
+                drop(client);
+                let at = wake.unwrap_or_else(|| Instant::now() + Duration::from_millis(1));
+                tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await;
+                continue;
+            }
         };
-        let answer = client.request(&req, started + interval * 2).await;
-        if answer.is_err() {
-            silent += 1;
-            if silent >= SILENT_BEATS {
-                // A coordinator that restarted does not know the connection (and cannot
-                // reset it): start a new one, which registers this member again.
-                silent = 0;
-                if let Some(c) = client.inner.conn.lock().await.take() {
-                    c.close(quinn::VarInt::from_u32(0), b"no answer");
+        let answer = client.request(&req, Instant::now() + limit).await;
+        if let Ok(Reply::Beat(b)) = &answer {
+            client.inner.beat.send_replace(Some(*b));
+        }
+        let events = lock(&client.inner.session).on_heartbeat_answer(Instant::now(), answer);
+        for event in events {
+            match event {
+                SessionEvent::EpochEnded(epoch) => fire(&client.inner, epoch),
+                SessionEvent::Reconnect => {
+                    if let Some(c) = client.inner.conn.lock().await.take() {
+                        c.close(quinn::VarInt::from_u32(0), b"no answer");
+                    }
                 }
             }
-        } else {
-            silent = 0;
         }
-        if let Ok(Reply::Beat(b)) = answer {
-            client.inner.beats.fetch_add(1, Ordering::Relaxed);
-            deliver(&client.inner, b);
-        }
-        drop(client);
-        let spent = started.elapsed();
-        tokio::time::sleep(interval.saturating_sub(spent).max(Duration::from_millis(1))).await;
     }
 }

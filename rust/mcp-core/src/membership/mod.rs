@@ -14,11 +14,14 @@
 //!   announcements out, timers as data).
 //! - [`wire`]: the messages between members and the coordinator.
 //! - [`server`]: the coordinator's QUIC endpoint (the job's mutual TLS).
-//! - [`client`]: a member's side: registration, heartbeats, waiting for an epoch.
+//! - [`session`]: a member's side, sans IO: registration, the heartbeat timer, reconnection,
+//!   what the answers mean for its epoch.
+//! - [`client`]: the session's QUIC driver, and waiting for an epoch.
 
 pub mod client;
 pub mod coordinator;
 pub mod server;
+pub mod session;
 pub mod wire;
 
 #[cfg(test)]

@@ -459,16 +459,20 @@ fn auto_runs_what_a_real_group_picks_for_the_full_size() {
 
 /// Three epochs of training on 1,000 members, 5 % of them dying at seeded virtual times:
 /// each epoch's all-reduce runs in the simulator over the epoch's members, the deaths fail
-/// every survivor's operation with `PeerLost`, and the membership coordinator's state
-/// machine, fed the survivors' heartbeats and reports on the same virtual clock, forms the
-/// next epoch, which every survivor is handed identically; the last epoch's all-reduce is
-/// exact.
+/// every survivor's operation with `PeerLost`; both sides of the membership protocol run as
+/// their own state machines on the same virtual clock (each member's session sends its
+/// heartbeats when due and watches its epoch; the coordinator answers), every survivor's
+/// session says its epoch ended, and the next epoch, formed from the survivors' reports, is
+/// handed to every survivor identically; the last epoch's all-reduce is exact.
 #[test]
 fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
     use crate::membership::coordinator::{Coordinator, CoordinatorConfig, Readiness};
-    use crate::membership::{MemberId, NO_STATE};
+    use crate::membership::session::{MemberSession, SessionEvent};
+    use crate::membership::wire::{Reply, Request};
+    use crate::membership::MemberId;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+    use std::collections::BTreeMap;
     use std::time::Instant;
 
     let coord_cfg = CoordinatorConfig {
@@ -483,19 +487,43 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
     let mut c = Coordinator::new(coord_cfg, 1);
     let mut rng = StdRng::seed_from_u64(5);
     let mut members: Vec<MemberId> = (1000..2000).collect();
+    let mut sessions: BTreeMap<MemberId, MemberSession> = BTreeMap::new();
     for &id in &members {
-        c.register(t0, id, "w:f32[8]", None).expect("registers");
-        c.report(t0, id, 0, NO_STATE);
+        let s = MemberSession::new(id, "w:f32[8]".into(), beat, t0).expect("session");
+        let Request::Register { id, spec, view } = s.register() else {
+            panic!("not a registration")
+        };
+        c.register(t0, id, &spec, view).expect("registers");
+        c.report(t0, id, 0, s.step());
+        sessions.insert(id, s);
     }
+    // Every live member's session heartbeats when due and hears the coordinator's answer.
+    let heartbeat_all = |c: &mut Coordinator,
+                         sessions: &mut BTreeMap<MemberId, MemberSession>,
+                         at: Instant|
+     -> Vec<(MemberId, SessionEvent)> {
+        let mut events = Vec::new();
+        for (&id, s) in sessions.iter_mut() {
+            if let Some(Request::Heartbeat { id: who, step }) = s.poll_heartbeat(at) {
+                assert_eq!(who, id);
+                let b = c.heartbeat(at, id, step);
+                let got = s.on_heartbeat_answer(at, Ok(Reply::Beat(b)));
+                events.extend(got.into_iter().map(|e| (id, e)));
+            }
+        }
+        events
+    };
     let mut now = Duration::from_millis(250);
-    for &id in &members {
-        c.heartbeat(t0 + now, id, NO_STATE);
-    }
+    heartbeat_all(&mut c, &mut sessions, t0 + now);
     c.handle_timeout(t0 + now);
     let mut epoch = match c.readiness(members[0], 0) {
         Readiness::Formed(e) => e,
         other => panic!("no first epoch: {other:?}"),
     };
+    for s in sessions.values_mut() {
+        s.on_formed(epoch.clone());
+        assert_eq!(s.watch(epoch.number), None, "a fresh epoch is not over");
+    }
     let deaths_per_epoch = [17usize, 17, 16, 0];
     for (e, &deaths) in deaths_per_epoch.iter().enumerate() {
         assert_eq!(
@@ -536,26 +564,23 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
         if deaths == 0 {
             break;
         }
-        // The coordinator's view on the same clock: everyone heartbeats until it dies (a
-        // death is within the first millisecond, so the dead miss every beat); survivors
-        // report once their operation has failed.
+        // The dead stop heartbeating (a death is within the first millisecond, so they miss
+        // every beat); survivors report once their operation has failed.
+        for &r in &dying {
+            sessions.remove(&members[r]);
+        }
         let end = now + report.elapsed + coord_cfg.dead_after * 3;
         let mut reported = false;
+        let mut ended: Vec<MemberId> = Vec::new();
         let mut t = now;
         while t <= end {
-            for (r, &id) in members.iter().enumerate() {
-                if !dying.contains(&r) {
-                    let b = c.heartbeat(t0 + t, id, e as i64);
-                    if t >= now + report.finished[r] && !reported {
-                        assert!(b.member, "epoch {e}: member {id} dropped");
-                    }
-                }
+            for (id, event) in heartbeat_all(&mut c, &mut sessions, t0 + t) {
+                assert_eq!(event, SessionEvent::EpochEnded(epoch.number), "member {id}");
+                ended.push(id);
             }
             if !reported && t >= now + report.elapsed {
-                for (r, &id) in members.iter().enumerate() {
-                    if !dying.contains(&r) {
-                        c.report(t0 + t, id, epoch.number, e as i64);
-                    }
+                for (&id, s) in &sessions {
+                    c.report(t0 + t, id, epoch.number, s.step());
                 }
                 reported = true;
             }
@@ -569,6 +594,18 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
             .filter(|(r, _)| !dying.contains(r))
             .map(|(_, &id)| id)
             .collect();
+        ended.sort_unstable();
+        assert_eq!(
+            ended, survivors,
+            "epoch {e}: every survivor's session saw the end once"
+        );
+        for (id, s) in &sessions {
+            let b = s.beat().expect("answered");
+            assert!(
+                b.member && b.latest == epoch.number + 1,
+                "member {id}: {b:?}"
+            );
+        }
         let seen = epoch.number;
         let next = match c.readiness(survivors[0], seen) {
             Readiness::Formed(n) => n,
@@ -587,6 +624,10 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
             }
         }
         assert_eq!(next.number, seen + 1);
+        for s in sessions.values_mut() {
+            s.on_formed(next.clone());
+            assert_eq!(s.watch(next.number), None, "epoch {}", next.number);
+        }
         members = survivors;
         epoch = next;
     }
