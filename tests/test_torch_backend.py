@@ -103,6 +103,27 @@ def test_ddp_matches_gloo(mode: str) -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # replicas agree exactly
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_matches_gloo(world: int) -> None:
+    # FSDP2 over "mcp": all_gather_into_tensor and reduce_scatter_tensor on flat shards (3
+    # ranks: uneven, padded), gradient accumulation without sync. FSDP1 needs an accelerator.
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    mcp = as_torch(ok(run("torch_workers.fsdp2_train", world, "mcp", timeout=180)))
+    gloo = as_torch(ok(run("torch_workers.fsdp2_train", world, "gloo", timeout=180)))
+    for rank in range(world):
+        for a, b in zip(mcp[rank]["full"], gloo[rank]["full"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(mcp[rank]["full"], mcp[0]["full"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # every rank gathers the same
+        moved = [
+            float((a - b).abs().max())
+            for a, b in zip(mcp[rank]["full"], mcp[rank]["initial"], strict=True)
+        ]
+        assert min(moved) > 1e-4, moved  # every layer trained
+
+
 def test_shape_mismatch_is_an_error_on_every_rank() -> None:
     res = run("torch_workers.shape_mismatch", 2, timeout=90)
     for f in res:

@@ -212,6 +212,34 @@ def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) ->
     return params
 
 
+def fsdp2_train(rank: int, world: int, backend: str, steps: int = 4) -> dict[str, Any]:
+    """Trains Net sharded with FSDP2 (``fully_shard`` per layer and at the root: all-gathers
+    before forward and backward, reduce-scatters after), accumulating gradients over two
+    micro-batches per step with gradient sync off for the first; returns this rank's full
+    parameters and the initial ones (all-gathered from the shards)."""
+    from torch.distributed.fsdp import fully_shard
+
+    _init(backend)
+    torch.manual_seed(0)
+    model = Net(with_unused=False)
+    initial = [p.detach().clone() for p in model.parameters()]
+    fully_shard(model.a)
+    fully_shard(model.b)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+            ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    dist.destroy_process_group()
+    return {"full": full, "initial": initial}
+
+
 def shape_mismatch(rank: int, world: int) -> None:
     _init(timeout=20)
     dist.all_reduce(torch.zeros(10 + rank))
