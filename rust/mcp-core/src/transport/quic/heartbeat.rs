@@ -90,6 +90,12 @@ pub(super) async fn monitor(
         if t.closing.load(Ordering::Acquire) {
             return;
         }
+        // A newer connection to the peer replaced this one (a dial abandoned half-way and
+        // made again, both sides dialing at once): its own monitor watches the peer, and
+        // this one's silence says nothing about it.
+        if !t.is_current(peer, &conn) {
+            return;
+        }
         let now = Instant::now();
         if sending.as_ref().is_some_and(|h| h.is_finished()) {
             if let Some(h) = sending.take() {

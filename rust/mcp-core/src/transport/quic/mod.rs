@@ -594,6 +594,16 @@ impl QuicTransport {
         }
     }
 
+    /// Whether `conn` is the connection registered for `peer` now.
+    fn is_current(&self, peer: usize, conn: &Connection) -> bool {
+        self.peers.get(peer).is_some_and(|slot| {
+            slot.conn
+                .borrow()
+                .as_ref()
+                .is_some_and(|c| c.stable_id() == conn.stable_id())
+        })
+    }
+
     fn note_health(&self, peer: usize, rtt: Duration, silent: Duration, limit: Duration) {
         if let Some(slot) = self.peers.get(peer) {
             *slot.health.lock().unwrap_or_else(|p| p.into_inner()) = Some((rtt, silent, limit));
