@@ -54,9 +54,42 @@ impl BoundSocket {
         let w = (self.recv_buffer / 2).min(MAX_WINDOW as usize) as u32;
         w.max(MIN_WINDOW)
     }
+
+    /// What the transport configuration needs to know of this socket.
+    pub(crate) fn figures(&self) -> SocketFigures {
+        SocketFigures {
+            window: self.window(),
+            loopback: self.loopback,
+        }
+    }
 }
 
-pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<TransportConfig> {
+/// What a transport configuration needs to know of its socket (kept after the socket went
+/// to the endpoint, to build configurations for later connections).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SocketFigures {
+    /// The flow-control window the socket absorbs.
+    window: u32,
+    /// Whether it is on a loopback interface.
+    loopback: bool,
+}
+
+/// The transport configuration of a connection made once the path's round trip is known
+/// (measured at the rendezvous): before its first RTT sample a new connection times its
+/// handshake's loss recovery by this estimate instead of QUIC's 333 ms default, so that a
+/// lost handshake packet costs milliseconds rather than a second and more on a fast path.
+/// Twice the measured RTT, within 1 ms and 333 ms.
+pub(crate) fn transport_config_after(
+    cfg: &QuicConfig,
+    sock: SocketFigures,
+    rtt: Duration,
+) -> Result<Arc<TransportConfig>> {
+    let mut t = transport_config(cfg, sock)?;
+    t.initial_rtt((rtt * 2).clamp(Duration::from_millis(1), Duration::from_millis(333)));
+    Ok(Arc::new(t))
+}
+
+pub(crate) fn transport_config(cfg: &QuicConfig, sock: SocketFigures) -> Result<TransportConfig> {
     let mut t = TransportConfig::default();
     t.max_concurrent_uni_streams(VarInt::from_u32(cfg.max_streams));
     // Each stream-lane frame holds a bidirectional stream until its verdict, each FEC-lane
@@ -70,7 +103,7 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: &BoundSocket) -> Result<T
     t.send_fairness(false);
     t.datagram_receive_buffer_size(Some(DATAGRAM_RECV_BUFFER));
     t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
-    let window = sock.window();
+    let window = sock.window;
     t.stream_receive_window(VarInt::from_u32(window));
     t.receive_window(VarInt::from_u32(window));
     t.send_window(u64::from(window) * 4);
@@ -135,7 +168,7 @@ pub(super) fn client_config(
     let quic = QuicClientConfig::try_from(tls)
         .map_err(|e| Error::Io(format!("QUIC client config: {e}")))?;
     let mut c = quinn::ClientConfig::new(Arc::new(quic));
-    c.transport_config(Arc::new(transport_config(cfg, sock)?));
+    c.transport_config(Arc::new(transport_config(cfg, sock.figures())?));
     Ok(c)
 }
 
@@ -150,7 +183,7 @@ pub(super) fn server_config(
     let quic = QuicServerConfig::try_from(tls)
         .map_err(|e| Error::Io(format!("QUIC server config: {e}")))?;
     let mut s = quinn::ServerConfig::with_crypto(Arc::new(quic));
-    s.transport_config(Arc::new(transport_config(cfg, sock)?));
+    s.transport_config(Arc::new(transport_config(cfg, sock.figures())?));
     Ok(s)
 }
 
@@ -296,7 +329,7 @@ pub(crate) fn control_endpoint(
     }
     let max_streams = tune.max_streams.unwrap_or(max_streams);
     let transport = || -> Result<Arc<TransportConfig>> {
-        let mut t = transport_config(&qc, &sock)?;
+        let mut t = transport_config(&qc, sock.figures())?;
         t.max_concurrent_bidi_streams(VarInt::from_u32(max_streams));
         t.max_concurrent_uni_streams(VarInt::from_u32(0));
         Ok(Arc::new(t))

@@ -262,6 +262,12 @@ pub struct QuicTransport {
     me: Weak<QuicTransport>,
     endpoint: Endpoint,
     client_cfg: quinn::ClientConfig,
+    server_cfg: quinn::ServerConfig,
+    /// What the transport configurations need to know of the endpoint's socket.
+    sock: endpoint::SocketFigures,
+    /// The largest round trip measured to a peer at the rendezvous: later handshakes time
+    /// their loss recovery by it (see [`endpoint::transport_config_after`]).
+    path_rtt: Mutex<Option<Duration>>,
     secret: Vec<u8>,
     bootstrap_open: AtomicBool,
     addrs: Mutex<Vec<Option<SocketAddr>>>,
@@ -365,9 +371,14 @@ impl QuicTransport {
             alpns.push(tls::ALPN_BOOTSTRAP.to_vec());
         }
         let server_cfg = endpoint::server_config(&identity, alpns, &cfg, &sock)?;
+        let sock_figures = sock.figures();
         let chaos_kill = Arc::new(AtomicBool::new(false));
-        let (ep, chaos_stats) =
-            endpoint::endpoint(sock, Some(server_cfg), cfg.chaos, chaos_kill.clone())?;
+        let (ep, chaos_stats) = endpoint::endpoint(
+            sock,
+            Some(server_cfg.clone()),
+            cfg.chaos,
+            chaos_kill.clone(),
+        )?;
         let corrupter = cfg.chaos.filter(|c| c.corrupt > 0.0).map(|c| {
             Mutex::new(<rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(
                 c.seed ^ cfg.rank as u64,
@@ -381,6 +392,9 @@ impl QuicTransport {
             me: me.clone(),
             endpoint: ep,
             client_cfg,
+            server_cfg,
+            sock: sock_figures,
+            path_rtt: Mutex::new(None),
             secret,
             bootstrap_open: AtomicBool::new(generated),
             addrs: Mutex::new(vec![None; world]),
@@ -437,8 +451,37 @@ impl QuicTransport {
             t.endpoint.close(VarInt::from_u32(code), reason.as_bytes());
             return Err(e);
         }
+        t.learn_path_rtt();
         local::setup(&t, shm_accepts).await;
         Ok(t)
+    }
+
+    /// After the rendezvous: the largest round trip to a peer so far becomes the estimate
+    /// that new connections, dialed or accepted, start their handshake with.
+    fn learn_path_rtt(&self) {
+        let rtt = (0..self.world)
+            .filter_map(|p| self.peers[p].conn.borrow().as_ref().map(Connection::rtt))
+            .max();
+        let Some(rtt) = rtt else { return };
+        *self.path_rtt.lock().unwrap_or_else(|p| p.into_inner()) = Some(rtt);
+        if let Ok(tc) = endpoint::transport_config_after(&self.cfg, self.sock, rtt) {
+            let mut server = self.server_cfg.clone();
+            server.transport_config(tc);
+            self.endpoint.set_server_config(Some(server));
+        }
+    }
+
+    /// The client configuration of a new connection: with the handshake's RTT estimate once
+    /// the rendezvous has measured the path.
+    fn dial_config(&self) -> quinn::ClientConfig {
+        let rtt = *self.path_rtt.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.client_cfg.clone();
+        if let Some(tc) =
+            rtt.and_then(|r| endpoint::transport_config_after(&self.cfg, self.sock, r).ok())
+        {
+            c.transport_config(tc);
+        }
+        c
     }
 
     fn progress_watch(&self) -> std::sync::MutexGuard<'_, crate::health::ProgressWatch> {
@@ -837,7 +880,7 @@ impl QuicTransport {
     async fn dial_once(&self, peer: usize, addr: SocketAddr) -> Result<Connection> {
         let connecting = self
             .endpoint
-            .connect_with(self.client_cfg.clone(), addr, &tls::server_name_of(peer))
+            .connect_with(self.dial_config(), addr, &tls::server_name_of(peer))
             .map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
         // With a session ticket from an earlier connection to this address, the Hello and
         // the first frames go as 0-RTT data, before the handshake completes.
