@@ -5,14 +5,15 @@ from typing import Any, Self, final
 
 from typing_extensions import Buffer
 
+from mcp_fast._buffers import Buffer as TensorArg
 from mcp_fast.group import Topology
 
 PROTOCOL_MAJOR: int
 PROTOCOL_MINOR: int
 __version__: str
 
-def reduce_into(dst_ptr: int, src_ptr: int, nbytes: int, dtype: str, op: str) -> None: ...
-def codec_round_trip(ptr: int, nbytes: int, dtype: str, codec: str, block: int = 256) -> None: ...
+def reduce_into(dst: TensorArg, src: TensorArg, op: str) -> None: ...
+def codec_round_trip(x: TensorArg, codec: str, block: int = 256) -> None: ...
 def netem_forward(
     fd_a: int,
     fd_b: int,
@@ -119,91 +120,25 @@ class ProcessGroup:
     def stats(self) -> dict[str, int]: ...
     def rtt(self, peer: int) -> float | None: ...
     def all_reduce(
-        self,
-        ptr: int,
-        nbytes: int,
-        dtype: str,
-        shape: list[int],
-        op: str,
-        algorithm: str,
-        keepalive: Any,
-        codec: str = ...,
-        block: int = ...,
+        self, tensor: TensorArg, op: str, algorithm: str, codec: str = ..., block: int = ...
     ) -> Work: ...
     def broadcast(
-        self,
-        ptr: int,
-        nbytes: int,
-        dtype: str,
-        shape: list[int],
-        src: int,
-        keepalive: Any,
-        codec: str = ...,
-        block: int = ...,
+        self, tensor: TensorArg, src: int, codec: str = ..., block: int = ...
     ) -> Work: ...
     def all_gather(
-        self,
-        out_ptr: int,
-        out_nbytes: int,
-        out_shape: list[int],
-        in_ptr: int,
-        in_nbytes: int,
-        in_shape: list[int],
-        dtype: str,
-        keepalive: Any,
-        codec: str = ...,
-        block: int = ...,
+        self, out: TensorArg, input: TensorArg, codec: str = ..., block: int = ...
     ) -> Work: ...
     def reduce_scatter(
-        self,
-        out_ptr: int,
-        out_nbytes: int,
-        out_shape: list[int],
-        in_ptr: int,
-        in_nbytes: int,
-        in_shape: list[int],
-        dtype: str,
-        op: str,
-        keepalive: Any,
-        codec: str = ...,
-        block: int = ...,
+        self, out: TensorArg, input: TensorArg, op: str, codec: str = ..., block: int = ...
     ) -> Work: ...
     def barrier(self) -> Work: ...
     def send(
-        self,
-        ptr: int,
-        nbytes: int,
-        dtype: str,
-        shape: list[int],
-        dst: int,
-        tag: int,
-        keepalive: Any,
-        codec: str = ...,
-        block: int = ...,
+        self, tensor: TensorArg, dst: int, tag: int, codec: str = ..., block: int = ...
     ) -> Work: ...
     def recv(
-        self,
-        ptr: int,
-        nbytes: int,
-        dtype: str,
-        shape: list[int],
-        src: int,
-        tag: int,
-        keepalive: Any,
-        codec: str = ...,
-        block: int = ...,
+        self, tensor: TensorArg, src: int, tag: int, codec: str = ..., block: int = ...
     ) -> Work: ...
-    def recv_any(
-        self,
-        ptr: int,
-        nbytes: int,
-        dtype: str,
-        shape: list[int],
-        tag: int,
-        keepalive: Any,
-        codec: str = ...,
-        block: int = ...,
-    ) -> Work: ...
+    def recv_any(self, tensor: TensorArg, tag: int, codec: str = ..., block: int = ...) -> Work: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
 
@@ -223,8 +158,8 @@ def delta_decode_into(
 ) -> None: ...
 def delta_info(blob: Buffer) -> dict[str, Any]: ...
 def delta_content_hash(data: Buffer) -> int: ...
-def grad_norm(buffers: list[tuple[int, int, str]]) -> tuple[float, bool]: ...
-def scale_(ptr: int, nbytes: int, dtype: str, factor: float) -> None: ...
+def grad_norm(buffers: list[TensorArg]) -> tuple[float, bool]: ...
+def scale_(x: TensorArg, factor: float) -> None: ...
 
 @final
 class GuardState:
@@ -291,16 +226,16 @@ class PsWorker:
     @property
     def clock(self) -> int: ...
     def set_tensors(self, tensors: list[tuple[str, int]]) -> list[tuple[str, int, int, int]]: ...
-    def init(self, items: list[tuple[str, int, int]]) -> None: ...
+    def init(self, items: list[tuple[str, TensorArg]]) -> None: ...
     def push(
-        self, items: list[tuple[str, int, int]], codec: str = "none", block: int = 256
+        self, items: list[tuple[str, TensorArg]], codec: str = "none", block: int = 256
     ) -> None: ...
-    def pull(self, items: list[tuple[str, int, int]]) -> int: ...
+    def pull(self, items: list[tuple[str, TensorArg]]) -> int: ...
     def advance(self, staleness: int | None = None) -> tuple[int, int | None]: ...
     def step(
         self,
-        grads: list[tuple[str, int, int]],
-        into: list[tuple[str, int, int]],
+        grads: list[tuple[str, TensorArg]],
+        into: list[tuple[str, TensorArg]],
         codec: str = "none",
         block: int = 256,
         staleness: int | None = None,

@@ -9,7 +9,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Concatenate, ParamSpec, TypedDict, TypeVar
 
 from . import _core
@@ -286,11 +286,9 @@ class Group:
                 f"unknown algorithm {algorithm!r}; "
                 "use auto, ring, tree, recursive_doubling or hierarchical"
             )
-        b = view(tensor, name="all_reduce tensor", writable=True)
+        b = view(tensor, name="all_reduce tensor")
         codec = self._resolve_codec(codec, b)
-        w = self.core.all_reduce(
-            b.ptr, b.nbytes, b.dtype, list(b.shape), _op_name(op), algorithm, b.obj, codec, block
-        )
+        w = self.core.all_reduce(b, _op_name(op), algorithm, codec, block)
         return _finish(w, async_op)
 
     def _resolve_codec(self, codec: str, b: Buffer) -> str:
@@ -347,8 +345,7 @@ class Group:
         """Copy rank ``src``'s ``tensor`` into every other rank's, in place (with a lossy
         ``codec``, the root's tensor too becomes what the others decode)."""
         self._check_rank(src, "src")
-        b = view(tensor, name="broadcast tensor", writable=True)
-        w = self.core.broadcast(b.ptr, b.nbytes, b.dtype, list(b.shape), src, b.obj, codec, block)
+        w = self.core.broadcast(view(tensor, name="broadcast tensor"), src, codec, block)
         return _finish(w, async_op)
 
     @_counted("all_gather")
@@ -361,8 +358,8 @@ class Group:
         block: int = 256,
     ) -> Work | None:
         """Gather every rank's ``tensor`` into ``out`` of shape ``(world_size, *tensor.shape)``."""
-        i = view(tensor, name="all_gather input", writable=False)
-        o = view(out, name="all_gather output", writable=True)
+        i = view(tensor, name="all_gather input")
+        o = view(out, name="all_gather output")
         if o.dtype != i.dtype:
             raise TypeError(f"all_gather: output dtype {o.dtype} differs from input {i.dtype}")
         if o.shape != (self.world_size, *i.shape):
@@ -370,18 +367,7 @@ class Group:
                 f"all_gather: output shape must be {(self.world_size, *i.shape)} "
                 f"(world_size, *input.shape), got {o.shape}"
             )
-        w = self.core.all_gather(
-            o.ptr,
-            o.nbytes,
-            list(o.shape),
-            i.ptr,
-            i.nbytes,
-            list(i.shape),
-            i.dtype,
-            (o.obj, i.obj),
-            codec,
-            block,
-        )
+        w = self.core.all_gather(o, i, codec, block)
         return _finish(w, async_op)
 
     @_counted("reduce_scatter")
@@ -396,8 +382,8 @@ class Group:
     ) -> Work | None:
         """Reduce ``tensor`` (world_size times ``out``'s elements) across ranks and leave this
         rank's block of the result in ``out``. ``tensor`` is not modified."""
-        i = view(tensor, name="reduce_scatter input", writable=False)
-        o = view(out, name="reduce_scatter output", writable=True)
+        i = view(tensor, name="reduce_scatter input")
+        o = view(out, name="reduce_scatter output")
         if o.dtype != i.dtype:
             raise TypeError(f"reduce_scatter: output dtype {o.dtype} differs from input {i.dtype}")
         if i.numel != o.numel * self.world_size:
@@ -405,19 +391,9 @@ class Group:
                 f"reduce_scatter: input must have world_size ({self.world_size}) x {o.numel} = "
                 f"{o.numel * self.world_size} elements, got {i.numel}"
             )
-        w = self.core.reduce_scatter(
-            o.ptr,
-            o.nbytes,
-            list(o.shape),
-            i.ptr,
-            i.nbytes,
-            [i.numel],
-            i.dtype,
-            _op_name(op),
-            (o.obj, i.obj),
-            codec,
-            block,
-        )
+        # The input travels as one flat vector whatever its shape.
+        flat = replace(i, shape=(i.numel,))
+        w = self.core.reduce_scatter(o, flat, _op_name(op), codec, block)
         return _finish(w, async_op)
 
     @_counted("barrier")
@@ -437,10 +413,7 @@ class Group:
     ) -> Work | None:
         """Send ``tensor`` to rank ``dst``; matched in order with that rank's ``recv``."""
         self._check_rank(dst, "dst")
-        b = view(tensor, name="send tensor", writable=False)
-        w = self.core.send(
-            b.ptr, b.nbytes, b.dtype, list(b.shape), dst, _tag(tag), b.obj, codec, block
-        )
+        w = self.core.send(view(tensor, name="send tensor"), dst, _tag(tag), codec, block)
         return _finish(w, async_op)
 
     @_counted("recv")
@@ -456,16 +429,12 @@ class Group:
         """Receive into ``tensor`` (same dtype and shape as sent) from rank ``src``, or from
         whichever rank sends first when ``src`` is None. Returns the sender's rank (or, with
         ``async_op=True``, a Work whose ``source_rank()`` tells it once done)."""
-        b = view(tensor, name="recv tensor", writable=True)
+        b = view(tensor, name="recv tensor")
         if src is None:
-            w = self.core.recv_any(
-                b.ptr, b.nbytes, b.dtype, list(b.shape), _tag(tag), b.obj, codec, block
-            )
+            w = self.core.recv_any(b, _tag(tag), codec, block)
         else:
             self._check_rank(src, "src")
-            w = self.core.recv(
-                b.ptr, b.nbytes, b.dtype, list(b.shape), src, _tag(tag), b.obj, codec, block
-            )
+            w = self.core.recv(b, src, _tag(tag), codec, block)
         if async_op:
             return Work(w)
         w.wait(None)

@@ -109,10 +109,10 @@ def _gradients(params_or_grads: Any) -> list[Any]:
     return grads
 
 
-def _buffers(grads: list[Any], *, writable: bool) -> list[Buffer]:
+def _buffers(grads: list[Any]) -> list[Buffer]:
     bufs = []
     for i, g in enumerate(grads):
-        b = view(g, name=f"gradient {i}", writable=writable)
+        b = view(g, name=f"gradient {i}")
         if b.dtype not in _FLOATS:
             raise TypeError(
                 f"gradient {i}: dtype {b.dtype} is not a floating-point type; "
@@ -160,8 +160,7 @@ class GradientGuard:
     @staticmethod
     def norm(params_or_grads: Any) -> tuple[float, bool]:
         """The global L2 norm of the gradients and whether any element is NaN/Inf."""
-        bufs = _buffers(_gradients(params_or_grads), writable=False)
-        return _core.grad_norm([(b.ptr, b.nbytes, b.dtype) for b in bufs])
+        return _core.grad_norm(_buffers(_gradients(params_or_grads)))
 
     def clip_factor(self, norm: float) -> float:
         """The scale :meth:`check` applies to gradients of global norm ``norm`` above
@@ -173,8 +172,8 @@ class GradientGuard:
     @staticmethod
     def scale_(params_or_grads: Any, factor: float) -> None:
         """Multiplies the gradients by ``factor`` in place (by the Rust core)."""
-        for b in _buffers(_gradients(params_or_grads), writable=True):
-            _core.scale_(b.ptr, b.nbytes, b.dtype, factor)
+        for b in _buffers(_gradients(params_or_grads)):
+            _core.scale_(b, factor)
 
     def set_max_norm(self, max_norm: float) -> None:
         """Changes ``max_norm`` (safe mode tightens it); forgets past bad steps."""
@@ -191,15 +190,17 @@ class GradientGuard:
             GradientError: the guard tripped and the policy is ``"raise"``.
         """
         grads = _gradients(params_or_grads)
-        bufs = _buffers(grads, writable=False)
-        norm, nonfinite = _core.grad_norm([(b.ptr, b.nbytes, b.dtype) for b in bufs])
+        bufs = _buffers(grads)
+        norm, nonfinite = _core.grad_norm(bufs)
         if not nonfinite and norm > self.max_norm:
-            # Fail on read-only inputs before the step is counted.
-            bufs = _buffers(grads, writable=True)
+            # Fail on read-only inputs before the step is counted (tensors are writable).
+            for b in bufs:
+                if isinstance(b.data, np.ndarray) and not b.data.flags.writeable:
+                    raise ValueError(f"{b.name}: the array is read-only; clipping writes into it")
         r = self.judge(norm, nonfinite, _stacklevel=3)
         if r.verdict == "clipped":
             for b in bufs:
-                _core.scale_(b.ptr, b.nbytes, b.dtype, r.factor)
+                _core.scale_(b, r.factor)
         return r
 
     def judge(self, norm: float, nonfinite: bool = False, *, _stacklevel: int = 2) -> GuardResult:

@@ -101,8 +101,8 @@ def _chaos(chaos: Any) -> str | None:
     return Settings.resolve(chaos=chaos).chaos
 
 
-def _f32(x: Any, name: str, writable: bool) -> Buffer:
-    b = view(x, name=name, writable=writable)
+def _f32(x: Any, name: str) -> Buffer:
+    b = view(x, name=name)
     if b.dtype != "float32":
         raise TypeError(f"{name}: the parameter server holds float32 tensors, got {b.dtype}")
     return b
@@ -390,19 +390,19 @@ class Worker:
     def init(self, params: Mapping[str, Any]) -> None:
         """Registers the tensors (every worker must give the same names and shapes) and
         creates them on the servers unless they exist (the first worker's values win)."""
-        bufs = {k: _f32(v, f"params[{k!r}]", writable=False) for k, v in params.items()}
+        bufs = {k: _f32(v, f"params[{k!r}]") for k, v in params.items()}
         with self._lock:
             self._specs = {k: _Spec(b.shape, b.numel) for k, b in bufs.items()}
             self.core.set_tensors([(k, b.numel) for k, b in bufs.items()])
-        self.core.init([(k, b.ptr, b.nbytes) for k, b in bufs.items()])
+        self.core.init(list(bufs.items()))
 
-    def _check(self, items: Mapping[str, Any], what: str, writable: bool) -> list[Buffer]:
+    def _check(self, items: Mapping[str, Any], what: str) -> list[Buffer]:
         out = []
         for k, v in items.items():
             spec = self._specs.get(k)
             if spec is None:
                 raise KeyError(f"{what}: no tensor {k!r} was registered with init()")
-            b = _f32(v, f"{what}[{k!r}]", writable)
+            b = _f32(v, f"{what}[{k!r}]")
             if b.numel != spec.numel:
                 raise ValueError(
                     f"{what}[{k!r}]: shape {b.shape}, but it was registered as {spec.shape}"
@@ -417,7 +417,7 @@ class Worker:
             return True
         if not isinstance(guard, GradientGuard):
             raise TypeError(f"guard must be a GradientGuard, got {type(guard).__name__}")
-        self._check(grads, "grads", writable=False)  # names a bad tensor before judging
+        self._check(grads, "grads")  # names a bad tensor before judging
         r = guard.check(list(grads.values()))
         if not r.apply_update:
             self.skipped_pushes += 1
@@ -440,9 +440,9 @@ class Worker:
         (the verdict is in ``guard.last``)."""
         if not self._guarded(grads, guard):
             return False
-        bufs = self._check(grads, "grads", writable=False)
+        bufs = self._check(grads, "grads")
         self.core.push(
-            [(k, b.ptr, b.nbytes) for k, b in zip(grads, bufs, strict=True)],
+            list(zip(grads, bufs, strict=True)),
             codec=codec or self.codec,
             block=self.block,
         )
@@ -453,8 +453,8 @@ class Worker:
         float32 numpy arrays of every tensor."""
         if into is None:
             into = {k: np.empty(s.shape, np.float32) for k, s in self._specs.items()}
-        bufs = self._check(into, "into", writable=True)
-        self.core.pull([(k, b.ptr, b.nbytes) for k, b in zip(into, bufs, strict=True)])
+        bufs = self._check(into, "into")
+        self.core.pull(list(zip(into, bufs, strict=True)))
         return dict(into)
 
     def step(
@@ -476,11 +476,11 @@ class Worker:
         if grads is None and into is None:
             clock, low = self.core.advance()
         else:
-            gb = self._check(grads or {}, "grads", writable=False)
-            ib = self._check(into or {}, "into", writable=True)
+            gb = self._check(grads or {}, "grads")
+            ib = self._check(into or {}, "into")
             clock, low = self.core.step(
-                [(k, b.ptr, b.nbytes) for k, b in zip(grads or {}, gb, strict=True)],
-                [(k, b.ptr, b.nbytes) for k, b in zip(into or {}, ib, strict=True)],
+                list(zip(grads or {}, gb, strict=True)),
+                list(zip(into or {}, ib, strict=True)),
                 codec=codec or self.codec,
                 block=self.block,
             )

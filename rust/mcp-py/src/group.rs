@@ -1,16 +1,14 @@
-//! `ProcessGroup`: the Python face of a core group over QUIC. Buffers arrive as (address,
-//! length) pairs that the Python layer took from numpy arrays or torch tensors after checking
-//! them; the objects themselves ride along (`keepalive`) until the operation has finished, so
-//! the memory stays valid even if the caller drops its handle.
+//! `ProcessGroup`: the Python face of a core group over QUIC. Tensors arrive as
+//! [`TensorArg`]s (the buffer protocol); an operation keeps its arguments exported until it
+//! has finished, so the memory stays valid even if the caller drops its handle.
 
 use crate::errors::to_py;
 use crate::runtime::runtime;
+use crate::tensor_arg::{release_later, release_pending, Access, TensorArg};
 use crate::work::{Work, WorkState};
 use mcp_core::transport::quic::{LanePolicy, QuicConfig, QuicTransport};
 use mcp_core::wire::Codec;
-use mcp_core::{
-    Algorithm, DType, Error, Group, GroupConfig, OpFuture, RawBuf, ReduceOp, Tensor, Topology,
-};
+use mcp_core::{Algorithm, Error, Group, GroupConfig, OpFuture, ReduceOp, Tensor, Topology};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -42,34 +40,13 @@ pub(crate) fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
         })
 }
 
-/// One tensor argument as the Python layer describes it.
-struct Arg {
-    buf: RawBuf,
-    dtype: DType,
-    shape: Vec<u64>,
-}
-
-impl Arg {
-    fn new(ptr: usize, nbytes: usize, dtype: &str, shape: Vec<u64>) -> PyResult<Arg> {
-        let dtype = DType::from_name(dtype)
-            .map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
-        if ptr == 0 && nbytes != 0 {
-            return Err(PyValueError::new_err("null buffer address"));
-        }
-        // SAFETY: the Python layer passes the address and length of a live, writable,
-        // C-contiguous array or tensor, and `keepalive` holds that object until the operation
-        // completes (see `ProcessGroup::start`).
-        let buf = unsafe { RawBuf::new(ptr as *mut u8, nbytes) };
-        Ok(Arg { buf, dtype, shape })
-    }
-
-    fn tensor(&self, codec: Codec) -> Tensor<'_> {
-        Tensor {
-            buf: self.buf,
-            dtype: self.dtype,
-            shape: &self.shape,
-            codec,
-        }
+/// The core's description of `arg`, travelling with `codec`.
+fn tensor_of(arg: &TensorArg, codec: Codec) -> Tensor<'_> {
+    Tensor {
+        buf: arg.raw(),
+        dtype: arg.dtype,
+        shape: &arg.shape,
+        codec,
     }
 }
 
@@ -77,57 +54,41 @@ impl Arg {
 #[pyfunction]
 pub fn reduce_into(
     py: Python<'_>,
-    dst_ptr: usize,
-    src_ptr: usize,
-    nbytes: usize,
-    dtype: &str,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
     op: &str,
 ) -> PyResult<()> {
-    let dtype = DType::from_name(dtype)
-        .map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
+    let mut d = TensorArg::extract(dst, Access::Write)?;
+    let s = TensorArg::extract(src, Access::Read)?;
     let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
-    if nbytes == 0 {
-        return Ok(());
+    if d.dtype != s.dtype || d.len() != s.len() {
+        return Err(PyValueError::new_err(format!(
+            "dst ({}, {} B) and src ({}, {} B) differ",
+            d.dtype,
+            d.len(),
+            s.dtype,
+            s.len()
+        )));
     }
-    if dst_ptr == 0 || src_ptr == 0 {
-        return Err(PyValueError::new_err("null buffer address"));
-    }
-    // SAFETY: the Python wrapper (mcp_fast._kernels) passes two live, C-contiguous arrays of
-    // `nbytes` bytes, the destination writable, and holds them during this call.
-    let (dst, src) = unsafe {
-        (
-            std::slice::from_raw_parts_mut(dst_ptr as *mut u8, nbytes),
-            std::slice::from_raw_parts(src_ptr as *const u8, nbytes),
-        )
-    };
-    py.detach(|| mcp_core::reduce::reduce_into(dtype, op, dst, src))
+    let dtype = d.dtype;
+    py.detach(|| mcp_core::reduce::reduce_into(dtype, op, d.bytes_mut(), s.bytes()))
         .map_err(|e| to_py(py, e))
 }
 
 /// Replaces the buffer by what a peer would decode after `codec` (error feedback uses it).
 #[pyfunction]
-#[pyo3(signature = (ptr, nbytes, dtype, codec, block=256))]
+#[pyo3(signature = (x, codec, block=256))]
 pub fn codec_round_trip(
     py: Python<'_>,
-    ptr: usize,
-    nbytes: usize,
-    dtype: &str,
+    x: &Bound<'_, PyAny>,
     codec: &str,
     block: u32,
 ) -> PyResult<()> {
-    let dtype = DType::from_name(dtype)
-        .map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
+    let mut x = TensorArg::extract(x, Access::Write)?;
     let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-    if nbytes == 0 {
-        return Ok(());
-    }
-    if ptr == 0 {
-        return Err(PyValueError::new_err("null buffer address"));
-    }
-    // SAFETY: the Python wrapper passes a live, writable, C-contiguous array of `nbytes`
-    // bytes and holds it during this call.
-    let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, nbytes) };
+    let dtype = x.dtype;
     py.detach(|| {
+        let buf = x.bytes_mut();
         let mut enc = Vec::new();
         mcp_core::codec::encode(codec, dtype, buf, &mut enc)?;
         mcp_core::codec::decode(codec, dtype, &enc, buf)
@@ -148,15 +109,16 @@ impl ProcessGroup {
         py: Python<'_>,
         name: &'static str,
         op: Result<OpFuture, Error>,
-        keepalive: Py<PyAny>,
+        args: Vec<TensorArg>,
     ) -> PyResult<Work> {
         let op = op.map_err(|e| to_py(py, e))?;
         let state = Arc::new(WorkState::default());
         let done = state.clone();
         runtime(py)?.spawn(async move {
             let r = op.await;
-            // The buffers may be freed once the result is visible; release them first.
-            drop(keepalive);
+            // Handed over before the result is visible, so that the wait that sees it
+            // releases the buffers before the caller touches them again.
+            release_later(args);
             done.complete(r);
         });
         Ok(Work {
@@ -520,122 +482,97 @@ impl ProcessGroup {
     }
 
     /// All-reduce in place.
-    #[pyo3(signature = (ptr, nbytes, dtype, shape, op, algorithm, keepalive, codec="none", block=256))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, op, algorithm, codec="none", block=256))]
     fn all_reduce(
         &self,
         py: Python<'_>,
-        ptr: usize,
-        nbytes: usize,
-        dtype: &str,
-        shape: Vec<u64>,
+        tensor: &Bound<'_, PyAny>,
         op: &str,
         algorithm: &str,
-        keepalive: Py<PyAny>,
         codec: &str,
         block: u32,
     ) -> PyResult<Work> {
+        let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let a = Arg::new(ptr, nbytes, dtype, shape)?;
         let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
         let algo = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
-        let fut = self.group.all_reduce(a.tensor(codec), op, algo);
-        self.start(py, "all_reduce", fut, keepalive)
+        let fut = self.group.all_reduce(tensor_of(&a, codec), op, algo);
+        self.start(py, "all_reduce", fut, vec![a])
     }
 
     /// Broadcast in place from `src`.
-    #[pyo3(signature = (ptr, nbytes, dtype, shape, src, keepalive, codec="none", block=256))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, src, codec="none", block=256))]
     fn broadcast(
         &self,
         py: Python<'_>,
-        ptr: usize,
-        nbytes: usize,
-        dtype: &str,
-        shape: Vec<u64>,
+        tensor: &Bound<'_, PyAny>,
         src: usize,
-        keepalive: Py<PyAny>,
         codec: &str,
         block: u32,
     ) -> PyResult<Work> {
+        let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let a = Arg::new(ptr, nbytes, dtype, shape)?;
-        let fut = self.group.broadcast(a.tensor(codec), src);
-        self.start(py, "broadcast", fut, keepalive)
+        let fut = self.group.broadcast(tensor_of(&a, codec), src);
+        self.start(py, "broadcast", fut, vec![a])
     }
 
     /// All-gather `input` into `out`.
-    #[pyo3(signature = (out_ptr, out_nbytes, out_shape, in_ptr, in_nbytes, in_shape, dtype, keepalive, codec="none", block=256))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (out, input, codec="none", block=256))]
     fn all_gather(
         &self,
         py: Python<'_>,
-        out_ptr: usize,
-        out_nbytes: usize,
-        out_shape: Vec<u64>,
-        in_ptr: usize,
-        in_nbytes: usize,
-        in_shape: Vec<u64>,
-        dtype: &str,
-        keepalive: Py<PyAny>,
+        out: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
         codec: &str,
         block: u32,
     ) -> PyResult<Work> {
+        let o = TensorArg::extract(out, Access::Write)?;
+        let i = TensorArg::extract(input, Access::Read)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let o = Arg::new(out_ptr, out_nbytes, dtype, out_shape)?;
-        let i = Arg::new(in_ptr, in_nbytes, dtype, in_shape)?;
-        let fut = self.group.all_gather(o.tensor(codec), i.tensor(codec));
-        self.start(py, "all_gather", fut, keepalive)
+        let fut = self
+            .group
+            .all_gather(tensor_of(&o, codec), tensor_of(&i, codec));
+        self.start(py, "all_gather", fut, vec![o, i])
     }
 
     /// Reduce-scatter `input` into `out`.
-    #[pyo3(signature = (out_ptr, out_nbytes, out_shape, in_ptr, in_nbytes, in_shape, dtype, op, keepalive, codec="none", block=256))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (out, input, op, codec="none", block=256))]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
-        out_ptr: usize,
-        out_nbytes: usize,
-        out_shape: Vec<u64>,
-        in_ptr: usize,
-        in_nbytes: usize,
-        in_shape: Vec<u64>,
-        dtype: &str,
+        out: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
         op: &str,
-        keepalive: Py<PyAny>,
         codec: &str,
         block: u32,
     ) -> PyResult<Work> {
+        let o = TensorArg::extract(out, Access::Write)?;
+        let i = TensorArg::extract(input, Access::Read)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let o = Arg::new(out_ptr, out_nbytes, dtype, out_shape)?;
-        let i = Arg::new(in_ptr, in_nbytes, dtype, in_shape)?;
         let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
         let fut = self
             .group
-            .reduce_scatter(o.tensor(codec), i.tensor(codec), op);
-        self.start(py, "reduce_scatter", fut, keepalive)
+            .reduce_scatter(tensor_of(&o, codec), tensor_of(&i, codec), op);
+        self.start(py, "reduce_scatter", fut, vec![o, i])
     }
 
     /// Receive from whichever rank sends first.
-    #[pyo3(signature = (ptr, nbytes, dtype, shape, tag, keepalive, codec="none", block=256))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, tag, codec="none", block=256))]
     fn recv_any(
         &self,
         py: Python<'_>,
-        ptr: usize,
-        nbytes: usize,
-        dtype: &str,
-        shape: Vec<u64>,
+        tensor: &Bound<'_, PyAny>,
         tag: u32,
-        keepalive: Py<PyAny>,
         codec: &str,
         block: u32,
     ) -> PyResult<Work> {
+        let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let a = Arg::new(ptr, nbytes, dtype, shape)?;
         let source = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
-        let fut = self.group.recv_any(a.tensor(codec), tag, source.clone());
-        let mut work = self.start(py, "recv", fut, keepalive)?;
+        let fut = self
+            .group
+            .recv_any(tensor_of(&a, codec), tag, source.clone());
+        let mut work = self.start(py, "recv", fut, vec![a])?;
         work.source = Some(source);
         Ok(work)
     }
@@ -643,51 +580,41 @@ impl ProcessGroup {
     /// Barrier.
     fn barrier(&self, py: Python<'_>) -> PyResult<Work> {
         let fut = self.group.barrier();
-        self.start(py, "barrier", fut, py.None())
+        self.start(py, "barrier", fut, Vec::new())
     }
 
     /// Send to `dst`.
-    #[pyo3(signature = (ptr, nbytes, dtype, shape, dst, tag, keepalive, codec="none", block=256))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, dst, tag, codec="none", block=256))]
     fn send(
         &self,
         py: Python<'_>,
-        ptr: usize,
-        nbytes: usize,
-        dtype: &str,
-        shape: Vec<u64>,
+        tensor: &Bound<'_, PyAny>,
         dst: usize,
         tag: u32,
-        keepalive: Py<PyAny>,
         codec: &str,
         block: u32,
     ) -> PyResult<Work> {
+        let a = TensorArg::extract(tensor, Access::Read)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let a = Arg::new(ptr, nbytes, dtype, shape)?;
-        let fut = self.group.send(a.tensor(codec), dst, tag);
-        self.start(py, "send", fut, keepalive)
+        let fut = self.group.send(tensor_of(&a, codec), dst, tag);
+        self.start(py, "send", fut, vec![a])
     }
 
     /// Receive from `src`.
-    #[pyo3(signature = (ptr, nbytes, dtype, shape, src, tag, keepalive, codec="none", block=256))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensor, src, tag, codec="none", block=256))]
     fn recv(
         &self,
         py: Python<'_>,
-        ptr: usize,
-        nbytes: usize,
-        dtype: &str,
-        shape: Vec<u64>,
+        tensor: &Bound<'_, PyAny>,
         src: usize,
         tag: u32,
-        keepalive: Py<PyAny>,
         codec: &str,
         block: u32,
     ) -> PyResult<Work> {
+        let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let a = Arg::new(ptr, nbytes, dtype, shape)?;
-        let fut = self.group.recv(a.tensor(codec), src, tag);
-        self.start(py, "recv", fut, keepalive)
+        let fut = self.group.recv(tensor_of(&a, codec), src, tag);
+        self.start(py, "recv", fut, vec![a])
     }
 
     /// Cancels every operation in flight now (they raise GroupClosedError).
@@ -700,6 +627,7 @@ impl ProcessGroup {
         let rt = runtime(py)?;
         let g = self.group.clone();
         py.detach(|| rt.block_on(g.close()));
+        release_pending(py);
         Ok(())
     }
 }

@@ -1,11 +1,11 @@
 //! Python binding of the gradient-norm guard (`mcp_core::health::guard`).
 //!
-//! Tensors cross the boundary as `(address, nbytes, dtype)` triples made by
-//! `mcp_fast._buffers.view`, which checks that each is a live, C-contiguous CPU array; the
-//! GIL is released while the core reads or scales them. Bad arguments raise `ValueError`.
+//! Tensors cross the boundary as [`TensorArg`]s (the buffer protocol); the GIL is released
+//! while the core reads or scales them. Bad arguments raise `ValueError` or `TypeError`.
 
+use crate::tensor_arg::{Access, TensorArg};
 use mcp_core::health::guard::{self, GradientGuard, GuardConfig, NormAccumulator, Verdict};
-use mcp_core::{DType, Error};
+use mcp_core::Error;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -13,34 +13,18 @@ fn value_error(e: Error) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
-fn parse(ptr: usize, nbytes: usize, dtype: &str) -> PyResult<DType> {
-    let dtype = DType::from_name(dtype).map_err(value_error)?;
-    if nbytes > 0 && ptr == 0 {
-        return Err(PyValueError::new_err("null buffer address"));
-    }
-    Ok(dtype)
-}
-
-/// The global L2 norm of every `(ptr, nbytes, dtype)` buffer, accumulated in float64, and
-/// whether any element was NaN or ±Inf (the norm is then NaN).
+/// The global L2 norm of every buffer, accumulated in float64, and whether any element was
+/// NaN or ±Inf (the norm is then NaN).
 #[pyfunction]
-fn grad_norm(py: Python<'_>, buffers: Vec<(usize, usize, String)>) -> PyResult<(f64, bool)> {
-    let mut slices = Vec::with_capacity(buffers.len());
-    for (ptr, nbytes, dtype) in &buffers {
-        let dtype = parse(*ptr, *nbytes, dtype)?;
-        let bytes: &[u8] = if *nbytes == 0 {
-            &[]
-        } else {
-            // SAFETY: the Python wrapper (mcp_fast.guards) passes live, C-contiguous arrays of
-            // `nbytes` bytes from `_buffers.view` and keeps them referenced during this call.
-            unsafe { std::slice::from_raw_parts(*ptr as *const u8, *nbytes) }
-        };
-        slices.push((dtype, bytes));
-    }
+fn grad_norm(py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<(f64, bool)> {
+    let args = buffers
+        .iter()
+        .map(|b| TensorArg::extract(b, Access::Read))
+        .collect::<PyResult<Vec<_>>>()?;
     let norm = py.detach(|| {
         let mut acc = NormAccumulator::new();
-        for (dtype, bytes) in slices {
-            acc.add_bytes(dtype, bytes)?;
+        for a in &args {
+            acc.add_bytes(a.dtype, a.bytes())?;
         }
         Ok::<_, Error>(acc.finish())
     });
@@ -48,18 +32,13 @@ fn grad_norm(py: Python<'_>, buffers: Vec<(usize, usize, String)>) -> PyResult<(
     Ok((norm.norm, norm.nonfinite))
 }
 
-/// Multiplies the `nbytes` bytes of `dtype` elements at `ptr` by `factor`, in place.
+/// Multiplies every element of `x` by `factor`, in place.
 #[pyfunction]
 #[pyo3(name = "scale_")]
-fn scale(py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, factor: f64) -> PyResult<()> {
-    let dtype = parse(ptr, nbytes, dtype)?;
-    if nbytes == 0 {
-        return guard::scale_in_place(dtype, &mut [], factor).map_err(value_error);
-    }
-    // SAFETY: the Python wrapper passes a live, writable, C-contiguous array of `nbytes`
-    // bytes (checked by `_buffers.view(..., writable=True)`) and holds it during this call.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, nbytes) };
-    py.detach(|| guard::scale_in_place(dtype, bytes, factor))
+fn scale(py: Python<'_>, x: &Bound<'_, PyAny>, factor: f64) -> PyResult<()> {
+    let mut x = TensorArg::extract(x, Access::Write)?;
+    let dtype = x.dtype;
+    py.detach(|| guard::scale_in_place(dtype, x.bytes_mut(), factor))
         .map_err(value_error)
 }
 

@@ -12,6 +12,7 @@ mod netem;
 mod ps;
 mod runtime;
 mod sim;
+mod tensor_arg;
 mod work;
 
 use pyo3::prelude::*;

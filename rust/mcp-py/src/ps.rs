@@ -5,13 +5,14 @@
 
 use crate::errors::to_py;
 use crate::runtime::runtime;
+use crate::tensor_arg::{Access, TensorArg};
 use mcp_core::ps::optim::OptState;
 use mcp_core::ps::store::{Piece, PieceId};
 use mcp_core::ps::{self, Aggregate, ClientConfig, Optimizer, ServerConfig};
 use mcp_core::transport::quic::chaos::ChaosConfig;
 use mcp_core::wire::Codec;
-use mcp_core::RawBuf;
-use pyo3::exceptions::PyValueError;
+use mcp_core::{DType, RawBuf};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::collections::HashMap;
@@ -49,20 +50,29 @@ fn chaos(spec: Option<&str>) -> PyResult<Option<ChaosConfig>> {
     .transpose()
 }
 
-/// (name, address, bytes) triples into raw buffers.
-fn bufs(items: Vec<(String, usize, usize)>) -> PyResult<Vec<(String, RawBuf)>> {
-    items
-        .into_iter()
-        .map(|(k, ptr, n)| {
-            if ptr == 0 && n != 0 {
-                return Err(PyValueError::new_err("null buffer address"));
-            }
-            // SAFETY: the Python layer (mcp_fast.ps) passes the address and length of live,
-            // C-contiguous float32 arrays or tensors (writable for pull) and holds them until
-            // this call returns; the call returns only after every task using them ended.
-            Ok((k, unsafe { RawBuf::new(ptr as *mut u8, n) }))
-        })
-        .collect()
+/// Named buffers as the client takes them.
+type Named = Vec<(String, RawBuf)>;
+
+/// Named tensors (float32, as the servers hold them), exported for the duration of a call:
+/// keep the returned args alive until the call that uses the buffers has returned.
+fn bufs(
+    items: Vec<(String, Bound<'_, PyAny>)>,
+    access: Access,
+) -> PyResult<(Vec<TensorArg>, Named)> {
+    let mut args = Vec::with_capacity(items.len());
+    let mut raw = Vec::with_capacity(items.len());
+    for (k, obj) in items {
+        let a = TensorArg::extract(&obj, access)?;
+        if a.dtype != DType::F32 {
+            return Err(PyTypeError::new_err(format!(
+                "{k}: the parameter server holds float32 tensors, got {}",
+                a.dtype
+            )));
+        }
+        raw.push((k, a.raw()));
+        args.push(a);
+    }
+    Ok((args, raw))
 }
 
 fn pieces_of(pieces: Vec<PieceTuple>) -> PyResult<Vec<(PieceId, Piece)>> {
@@ -372,8 +382,8 @@ impl PsWorker {
     }
 
     /// Creates the tensors on their servers unless they exist.
-    fn init(&self, py: Python<'_>, items: Vec<(String, usize, usize)>) -> PyResult<()> {
-        let items = bufs(items)?;
+    fn init(&self, py: Python<'_>, items: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<()> {
+        let (_held, items) = bufs(items, Access::Read)?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         py.detach(|| rt.block_on(c.init_all(items)))
             .map_err(|e| to_py(py, e))
@@ -384,20 +394,20 @@ impl PsWorker {
     fn push(
         &self,
         py: Python<'_>,
-        items: Vec<(String, usize, usize)>,
+        items: Vec<(String, Bound<'_, PyAny>)>,
         codec: &str,
         block: u32,
     ) -> PyResult<()> {
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let items = bufs(items)?;
+        let (_held, items) = bufs(items, Access::Read)?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         py.detach(|| rt.block_on(c.push_all(items, codec)))
             .map_err(|e| to_py(py, e))
     }
 
     /// Pulls parameters into the buffers; returns the oldest applied clock among them.
-    fn pull(&self, py: Python<'_>, items: Vec<(String, usize, usize)>) -> PyResult<u64> {
-        let items = bufs(items)?;
+    fn pull(&self, py: Python<'_>, items: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<u64> {
+        let (_held, items) = bufs(items, Access::Write)?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         py.detach(|| rt.block_on(c.pull_all(items)))
             .map_err(|e| to_py(py, e))
@@ -420,14 +430,15 @@ impl PsWorker {
     fn step(
         &self,
         py: Python<'_>,
-        grads: Vec<(String, usize, usize)>,
-        into: Vec<(String, usize, usize)>,
+        grads: Vec<(String, Bound<'_, PyAny>)>,
+        into: Vec<(String, Bound<'_, PyAny>)>,
         codec: &str,
         block: u32,
         staleness: Option<u64>,
     ) -> PyResult<(u64, Option<u64>)> {
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let (grads, into) = (bufs(grads)?, bufs(into)?);
+        let (_held_grads, grads) = bufs(grads, Access::Read)?;
+        let (_held_into, into) = bufs(into, Access::Write)?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         let r = py
             .detach(|| rt.block_on(c.step_all(grads, into, codec, staleness)))

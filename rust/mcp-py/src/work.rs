@@ -71,7 +71,9 @@ impl Work {
             None => None,
         };
         let state = self.state.clone();
-        match py.detach(move || state.wait(t)) {
+        let result = py.detach(move || state.wait(t));
+        crate::tensor_arg::release_pending(py);
+        match result {
             Some(Ok(())) => Ok(true),
             Some(Err(e)) => Err(to_py(py, e)),
             None => Err(to_py(
