@@ -161,6 +161,9 @@ pub(crate) struct SimNet {
     t0: Instant,
     /// The failure detectors' clock at virtual time 0 (they count virtual nanoseconds from it).
     clock0: std::time::Instant,
+    /// The last address table decoded and its bytes: every simulated rank receives the same
+    /// table, and parsing it once per rank would make a large rendezvous cost W² real time.
+    pub(super) last_table: Mutex<Option<(Vec<u8>, Arc<crate::rendezvous::Table>)>>,
 }
 
 fn ns(d: Duration) -> u64 {
@@ -213,6 +216,7 @@ impl SimNet {
             wake: Notify::new(),
             t0: Instant::now(),
             clock0: std::time::Instant::now(),
+            last_table: Mutex::new(None),
         })
     }
 

@@ -186,6 +186,26 @@ impl Mailbox {
             .copied()
     }
 
+    /// Takes every frame of `space` and sequence `seq` that has arrived, from any source,
+    /// and that nobody waits for, in order of source. Costs the frames filed and not yet
+    /// taken, not the sources that might send (rank 0 of a large job gathers Hellos in O(W)).
+    pub fn take_arrived(&self, space: SeqSpace, seq: u64) -> Vec<(MsgKey, Result<Frame>)> {
+        let mut inner = self.lock();
+        let mut keys: Vec<MsgKey> = inner
+            .slots
+            .iter()
+            .filter(|(k, slot)| k.space == space && k.seq == seq && matches!(slot, Slot::Ready(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.sort_unstable_by_key(|k| (k.src, k.step, k.chunk));
+        keys.into_iter()
+            .filter_map(|k| match inner.slots.remove(&k) {
+                Some(Slot::Ready(item)) => Some((k, item)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Resolves when a frame arrives that nobody was waiting for (for a receive from any
     /// source). Create the future before checking [`Mailbox::first_arrived`], then await it.
     pub fn arrival(&self) -> tokio::sync::futures::Notified<'_> {
@@ -510,6 +530,38 @@ mod tests {
         mb.deliver(k0, Ok(f0));
         assert_eq!(waiter.await.expect("chunk 0").header.chunk, 0);
         assert_eq!(mb.recv(k1).await.expect("chunk 1").header.chunk, 1);
+        assert_eq!(mb.pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn take_arrived_takes_every_ready_frame_of_one_sequence_and_nothing_else() {
+        let mb = std::sync::Arc::new(Mailbox::new());
+        for (src, seq, chunk) in [(3, 5, 0), (1, 5, 1), (1, 5, 0), (2, 6, 0)] {
+            let (k, f) = frame(src, seq, chunk);
+            mb.deliver(k, Ok(f));
+        }
+        // Someone waits for (4, 5, 0): a waiting slot is not a frame to take.
+        let (k4, f4) = frame(4, 5, 0);
+        let mb2 = mb.clone();
+        let waiter = tokio::spawn(async move { mb2.recv(k4).await });
+        tokio::task::yield_now().await;
+        assert_eq!(mb.pending(), 5);
+        let got: Vec<(u32, u32)> = mb
+            .take_arrived(SeqSpace::Collective, 5)
+            .into_iter()
+            .map(|(k, f)| {
+                let f = f.expect("a frame");
+                assert_eq!(MsgKey::of(&f.header), k);
+                (f.header.src, f.header.chunk)
+            })
+            .collect();
+        assert_eq!(got, vec![(1, 0), (1, 1), (3, 0)]);
+        assert!(mb.take_arrived(SeqSpace::Collective, 5).is_empty());
+        assert!(mb.take_arrived(SeqSpace::P2p, 6).is_empty());
+        mb.deliver(k4, Ok(f4));
+        let got = waiter.await.expect("join").expect("the waiter's frame");
+        assert_eq!(got.header.src, 4);
+        assert_eq!(mb.take_arrived(SeqSpace::Collective, 6).len(), 1);
         assert_eq!(mb.pending(), 0);
     }
 

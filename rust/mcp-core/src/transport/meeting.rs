@@ -71,15 +71,17 @@ pub async fn gather<T: Transport>(
     let mut g = Gathering::new(world, own, deadline, timeout, master)?;
     let table = match g.table_if_complete()? {
         Some(table) => table,
-        None => loop {
+        None => 'gathering: loop {
             let arrival = t.mailbox().arrival();
-            let keys: Vec<MsgKey> = g.missing().into_iter().map(control_key).collect();
-            if let Some(key) = t.mailbox().first_arrived(&keys) {
-                let frame = t.mailbox().recv(key).await?;
+            for (key, frame) in t.mailbox().take_arrived(SeqSpace::Control, 0) {
+                let frame = frame?;
+                if frame.header.kind != FrameKind::Hello {
+                    continue;
+                }
                 let line = String::from_utf8_lossy(&frame.payload.to_vec()).into_owned();
                 match g.on_hello(key.src, frame.header.aux as usize, &line) {
-                    Heard::Waiting | Heard::Repeated => continue,
-                    Heard::Complete(table) => break table,
+                    Heard::Waiting | Heard::Repeated => {}
+                    Heard::Complete(table) => break 'gathering table,
                     Heard::Refused(e) => {
                         refuse(key.src, &e);
                         return Err(e);
@@ -113,9 +115,25 @@ pub async fn receive_table<T: Transport>(
     timeout: Duration,
     master: &str,
 ) -> Result<Table> {
+    let world = t.world_size();
+    receive_table_with(t, deadline, timeout, master, |bytes| {
+        Table::decode(bytes, world)
+    })
+    .await
+}
+
+/// [`receive_table`] with the table's bytes turned into `R` by `decode` (the simulator
+/// decodes the one table that every simulated rank receives once).
+pub async fn receive_table_with<T: Transport, R>(
+    t: &T,
+    deadline: Instant,
+    timeout: Duration,
+    master: &str,
+    decode: impl FnOnce(&[u8]) -> Result<R>,
+) -> Result<R> {
     let at = tokio::time::Instant::from_std(deadline);
     match tokio::time::timeout_at(at, t.mailbox().recv(control_key(0))).await {
-        Ok(frame) => Table::decode(&frame?.payload.to_vec(), t.world_size()),
+        Ok(frame) => decode(&frame?.payload.to_vec()),
         Err(_) => Err(Error::Timeout {
             what: format!("rendezvous: rank 0 at {master} did not send the address table"),
             after: timeout,
