@@ -13,7 +13,10 @@
 //! - [`coordinator`]: the coordinator's state machine, sans IO (inputs and `now` in, the
 //!   announcements out, timers as data).
 //! - [`wire`]: the messages between members and the coordinator.
-//! - [`server`]: the coordinator's QUIC endpoint (the job's mutual TLS).
+//! - [`service`]: the coordinator's answers to those messages, sans IO: long polls held as
+//!   data until the coordinator can answer or their wait is over.
+//! - [`server`]: the coordinator's QUIC endpoint (the job's mutual TLS), a driver of the
+//!   service.
 //! - [`session`]: a member's side, sans IO: registration, the heartbeat timer, reconnection,
 //!   what the answers mean for its epoch.
 //! - [`client`]: the session's QUIC driver, and waiting for an epoch.
@@ -21,6 +24,7 @@
 pub mod client;
 pub mod coordinator;
 pub mod server;
+pub mod service;
 pub mod session;
 pub mod wire;
 

@@ -1,8 +1,10 @@
 //! The coordinator's QUIC endpoint: the job's mutual TLS (a process with another secret is
-//! refused at the handshake), one request per bidirectional stream, the state machine of
-//! [`super::coordinator`] behind one lock, and a timer task that runs its timeouts.
+//! refused at the handshake), one request per bidirectional stream, the sans-IO
+//! [`Service`] behind one lock (a held request waits on a oneshot under its ticket), a
+//! timer task that runs its timeouts, and tethers.
 
-use super::coordinator::{Coordinator, CoordinatorConfig, Master, Readiness};
+use super::coordinator::{Coordinator, CoordinatorConfig};
+use super::service::{Answer, Service, Ticket};
 use super::wire::{Reply, Request, MAX_BODY};
 use super::{Epoch, MemberId};
 use crate::error::{Error, Result};
@@ -14,7 +16,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch, Notify};
 
 /// ALPN of the membership protocol.
 pub(crate) fn alpn() -> Vec<u8> {
@@ -26,8 +28,6 @@ pub(crate) fn alpn() -> Vec<u8> {
     .into_bytes()
 }
 
-/// Longest a long-poll request may be held.
-const MAX_WAIT: Duration = Duration::from_secs(5);
 /// The timer task's longest sleep.
 const TICK: Duration = Duration::from_millis(50);
 /// QUIC's own idle limit on a member's connection (liveness is judged by heartbeats).
@@ -38,11 +38,16 @@ const CLOSE_STEP: Duration = Duration::from_secs(2);
 const TETHER_HELLO: Duration = Duration::from_secs(5);
 
 struct Inner {
-    sm: Mutex<Coordinator>,
+    svc: Mutex<Service>,
+    /// The streams whose requests the service holds, by ticket.
+    waiting: Mutex<HashMap<Ticket, oneshot::Sender<Reply>>>,
+    next_ticket: AtomicU64,
+    /// Wakes the timer when a request is held (its wait may end before the timer's sleep).
+    timer_wake: Notify,
     /// Each member's current registration token (its tether names it).
     tokens: Mutex<HashMap<MemberId, [u8; 16]>>,
     tether: bool,
-    /// Bumped on every change, to wake long polls.
+    /// Bumped when closing, to wake the tether listener.
     version: watch::Sender<u64>,
     closing: AtomicBool,
     refused: AtomicU64,
@@ -50,8 +55,32 @@ struct Inner {
 }
 
 impl Inner {
-    fn sm(&self) -> std::sync::MutexGuard<'_, Coordinator> {
-        self.sm.lock().unwrap_or_else(|p| p.into_inner())
+    fn svc(&self) -> std::sync::MutexGuard<'_, Service> {
+        self.svc.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn waiting(&self) -> std::sync::MutexGuard<'_, HashMap<Ticket, oneshot::Sender<Reply>>> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends the answers of held requests to their streams.
+    fn deliver(&self, answers: Vec<(Ticket, Reply)>) {
+        if answers.is_empty() {
+            return;
+        }
+        let mut waiting = self.waiting();
+        for (ticket, reply) in answers {
+            if let Some(tx) = waiting.remove(&ticket) {
+                // The stream may be gone (its member died): nothing to tell.
+                let _ = tx.send(reply);
+            }
+        }
+    }
+
+    /// Answers the held requests that can be answered now.
+    fn answer_held(&self) {
+        let answers = self.svc().poll_answers(Instant::now());
+        self.deliver(answers);
     }
 
     fn bump(&self) {
@@ -110,7 +139,10 @@ impl CoordinatorServer {
         let inner = Arc::new(Inner {
             tokens: Mutex::new(HashMap::new()),
             tether: tethers.is_some(),
-            sm: Mutex::new(Coordinator::new(cfg, rand::random())),
+            svc: Mutex::new(Service::new(Coordinator::new(cfg, rand::random()))),
+            waiting: Mutex::new(HashMap::new()),
+            next_ticket: AtomicU64::new(0),
+            timer_wake: Notify::new(),
             version: watch::channel(0).0,
             closing: AtomicBool::new(false),
             refused: AtomicU64::new(0),
@@ -147,12 +179,12 @@ impl CoordinatorServer {
 
     /// The latest epoch, if one formed.
     pub fn current(&self) -> Option<Epoch> {
-        self.inner.sm().current().cloned()
+        self.inner.svc().coordinator().current().cloned()
     }
 
     /// Members believed alive.
     pub fn live_members(&self) -> usize {
-        self.inner.sm().live_members()
+        self.inner.svc().coordinator().live_members()
     }
 
     /// Handshakes refused (another secret, no certificate).
@@ -172,6 +204,8 @@ impl CoordinatorServer {
             return;
         }
         self.inner.bump();
+        let held = self.inner.svc().release_all();
+        self.inner.deliver(held);
         let ep = self
             .endpoint
             .lock()
@@ -198,6 +232,8 @@ impl Drop for CoordinatorServer {
     fn drop(&mut self) {
         self.inner.closing.store(true, Ordering::Release);
         self.inner.bump();
+        let held = self.inner.svc().release_all();
+        self.inner.deliver(held);
         let ep = self
             .endpoint
             .lock()
@@ -217,18 +253,21 @@ async fn timer(inner: std::sync::Weak<Inner>) {
                 return;
             }
             let now = Instant::now();
-            let (changed, next) = {
-                let mut sm = inner.sm();
-                let before = sm.current().map(|e| e.number);
-                sm.handle_timeout(now);
-                (sm.current().map(|e| e.number) != before, sm.poll_timeout())
+            let (answers, next) = {
+                let mut svc = inner.svc();
+                svc.handle_timeout(now);
+                (svc.poll_answers(now), svc.poll_timeout())
             };
-            if changed {
-                inner.bump();
-            }
+            inner.deliver(answers);
             next.map_or(TICK, |t| t.saturating_duration_since(now).min(TICK))
         };
-        tokio::time::sleep(wait.max(Duration::from_millis(1))).await;
+        let Some(held) = inner.upgrade() else { return };
+        // A request held meanwhile may end sooner than `wait`: it wakes the timer. (The
+        // strong handle lives for one sleep of at most TICK.)
+        tokio::select! {
+            _ = tokio::time::sleep(wait.max(Duration::from_millis(1))) => {}
+            _ = held.timer_wake.notified() => {}
+        }
     }
 }
 
@@ -287,8 +326,8 @@ async fn tether_loop(
                 current
             };
             if current && !i.closing.load(Ordering::Acquire) {
-                i.sm().died(Instant::now(), id);
-                i.bump();
+                i.svc().coordinator_mut().died(Instant::now(), id);
+                i.answer_held();
             }
         });
     }
@@ -357,103 +396,61 @@ async fn handle_stream(
     Ok(())
 }
 
+/// The reply to `req`: at once, or once the service answers it under its ticket.
 async fn answer(inner: &Arc<Inner>, req: Request) -> Reply {
-    let now = Instant::now();
-    match req {
-        Request::Register { id, spec, view } => {
-            let r = inner.sm().register(now, id, &spec, view);
-            inner.bump();
-            match r {
-                Ok(()) => {
-                    let token: [u8; 16] = rand::random();
-                    inner
-                        .tokens
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(id, token);
-                    Reply::Welcome {
-                        token,
-                        tether: inner.tether,
-                    }
-                }
-                Err(e) => Reply::Refused(e.to_string()),
-            }
-        }
-        Request::Heartbeat { id, step } => Reply::Beat(inner.sm().heartbeat(now, id, step)),
-        Request::Report {
-            id,
-            seen,
-            step,
-            wait_ms,
-        } => {
-            inner.sm().report(now, id, seen, step);
-            inner.bump();
-            long_poll(inner, wait_ms, || match inner.sm().readiness(id, seen) {
-                Readiness::Formed(e) => Some(Reply::Formed(e)),
-                Readiness::Waiting => None,
-                Readiness::Unknown => Some(Reply::Unknown),
-            })
-            .await
-            .unwrap_or(Reply::Waiting)
-        }
-        Request::PublishMaster { id, epoch, addr } => {
-            let ok = inner.sm().publish_master(id, epoch, addr);
-            inner.bump();
-            if ok {
-                Reply::Ok
-            } else {
-                Reply::Superseded
-            }
-        }
-        Request::Master { epoch, wait_ms } => {
-            long_poll(inner, wait_ms, || match inner.sm().master(epoch) {
-                Master::At(a) => Some(Reply::MasterAt(a)),
-                Master::Superseded => Some(Reply::Superseded),
-                Master::Pending => None,
-            })
-            .await
-            .unwrap_or(Reply::Waiting)
-        }
-        Request::Watch { id, epoch, wait_ms } => long_poll(inner, wait_ms, || {
-            let b = inner.sm().beat_of(id);
-            b.ends(epoch).then_some(Reply::Beat(b))
-        })
-        .await
-        .unwrap_or_else(|| Reply::Beat(inner.sm().beat_of(id))),
-        Request::Leave { id } => {
+    let ticket = inner.next_ticket.fetch_add(1, Ordering::Relaxed);
+    let leaving = match req {
+        Request::Leave { id } => Some(id),
+        _ => None,
+    };
+    // Filed before the service sees the request, so that an answer is never missed.
+    let (tx, rx) = oneshot::channel();
+    inner.waiting().insert(ticket, tx);
+    let answer = {
+        let mut svc = inner.svc();
+        let now = Instant::now();
+        if let Some(id) = leaving {
             inner
                 .tokens
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&id);
-            inner.sm().leave(now, id);
-            inner.bump();
-            Reply::Ok
         }
-    }
-}
-
-/// Calls `check` until it answers, the coordinator changes being no longer worth waiting
-/// for (`wait_ms`, at most [`MAX_WAIT`]), or it closes.
-async fn long_poll(
-    inner: &Arc<Inner>,
-    wait_ms: u32,
-    check: impl Fn() -> Option<Reply>,
-) -> Option<Reply> {
-    let deadline =
-        tokio::time::Instant::now() + Duration::from_millis(u64::from(wait_ms)).min(MAX_WAIT);
-    let mut rx = inner.version.subscribe();
-    loop {
-        rx.mark_unchanged();
-        if let Some(r) = check() {
-            return Some(r);
-        }
+        let a = svc.on_request(now, ticket, req);
         if inner.closing.load(Ordering::Acquire) {
-            return None;
+            let held = svc.release_all();
+            drop(svc);
+            inner.deliver(held);
         }
-        match tokio::time::timeout_at(deadline, rx.changed()).await {
-            Ok(Ok(())) => continue,
-            _ => return None,
+        a
+    };
+    let reply = match answer {
+        Answer::Reply(r) => Some(r),
+        Answer::Registered(id) => {
+            let token: [u8; 16] = rand::random();
+            inner
+                .tokens
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id, token);
+            Some(Reply::Welcome {
+                token,
+                tether: inner.tether,
+            })
+        }
+        Answer::Held => None,
+    };
+    // Anything the request changed may answer held requests, this one's included.
+    inner.answer_held();
+    match reply {
+        Some(r) => {
+            inner.waiting().remove(&ticket);
+            r
+        }
+        None => {
+            inner.timer_wake.notify_one();
+            // The service answers every held request within MAX_WAIT (or at close).
+            rx.await.unwrap_or(Reply::Waiting)
         }
     }
 }
