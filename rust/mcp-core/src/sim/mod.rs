@@ -19,11 +19,15 @@
 
 mod allreduce;
 mod link;
+mod membership;
 mod net;
 mod rendezvous;
 
 pub use allreduce::{resolve_auto, time_all_reduce, AllReduceTiming, PIPELINE_CHUNKS};
 pub use link::LinkSpec;
+pub use membership::{
+    member_id, simulate_elastic, CoordinatorLog, ElasticPlan, ElasticRun, EpochPlan, MemberLife,
+};
 pub use net::SimTransport;
 pub use rendezvous::{time_rendezvous, RendezvousTiming};
 

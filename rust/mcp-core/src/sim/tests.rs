@@ -457,25 +457,24 @@ fn auto_runs_what_a_real_group_picks_for_the_full_size() {
     }
 }
 
-/// Three epochs of training on 1,000 members, 5 % of them dying at seeded virtual times:
-/// each epoch's all-reduce runs in the simulator over the epoch's members, the deaths fail
-/// every survivor's operation with `PeerLost`; both sides of the membership protocol run as
-/// their own state machines on the same virtual clock (each member's session sends its
-/// heartbeats when due and watches its epoch; the coordinator answers), every survivor's
-/// session says its epoch ended, and the next epoch, formed from the survivors' reports, is
-/// handed to every survivor identically; the last epoch's all-reduce is exact.
+/// Three epochs of training on 1,000 members, 5 % of them dying at seeded virtual times.
+/// First each epoch's all-reduce runs in the simulator over the epoch's members: the deaths
+/// fail every survivor's operation with `PeerLost`, and the last epoch's is exact. Then the
+/// membership protocol runs over the simulated network, every request and reply a frame:
+/// the coordinator's service on its own rank, each member's session on its rank, the dying
+/// members falling silent when the plan says and the survivors reporting when their
+/// all-reduce failed. Every survivor is handed the same epochs, each the survivors of the one
+/// before in the same order; every survivor's session says each of its epochs ended, once;
+/// each change takes no longer than the coordinator's silence limit after the survivors
+/// reported, plus a few heartbeats.
 #[test]
 fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
-    use crate::membership::coordinator::{Coordinator, CoordinatorConfig, Readiness};
-    use crate::membership::session::{MemberSession, SessionEvent};
-    use crate::membership::wire::{Reply, Request};
-    use crate::membership::MemberId;
+    use crate::membership::coordinator::CoordinatorConfig;
+    use crate::membership::{Epoch, MemberId};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
-    use std::collections::BTreeMap;
-    use std::time::Instant;
 
-    let coord_cfg = CoordinatorConfig {
+    let coordinator = CoordinatorConfig {
         min_members: 1,
         dead_after: Duration::from_millis(300),
         join_window: Duration::from_millis(200),
@@ -483,53 +482,38 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
         rebuild_window: Duration::from_millis(100),
     };
     let beat = Duration::from_millis(100);
-    let t0 = Instant::now();
-    let mut c = Coordinator::new(coord_cfg, 1);
+    let mut net = datacentre(1001);
+    net.seed = 9;
+    let plan = |epochs: Vec<EpochPlan>| ElasticPlan {
+        coordinator,
+        heartbeat: beat,
+        epochs,
+        limit: Duration::from_secs(120),
+    };
+    // The job forms: its first epoch has every member, in the order their reports reached
+    // the coordinator over the network (the same in every run of this seed). A job that
+    // ends there: everyone leaves.
+    let formed = simulate_elastic(&net, &plan(vec![EpochPlan::default()])).expect("runs");
+    assert_eq!(formed.coordinator.left, 1000);
+    assert_eq!(formed.coordinator.epochs.len(), 1);
+    let first = &formed.coordinator.epochs[0].1;
+    for (r, life) in formed.members.iter().enumerate() {
+        assert_eq!(life.epochs, vec![first.clone()], "member {r}");
+        assert!(life.ended.is_empty() && !life.died && life.error.is_none());
+    }
+    // Members by their rank in the membership simulation; an epoch's rank r is members[r].
+    let mut members: Vec<usize> = first
+        .members
+        .iter()
+        .map(|m| (m.id - 1000) as usize)
+        .collect();
+    let mut sorted = members.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, (0..1000).collect::<Vec<_>>());
     let mut rng = StdRng::seed_from_u64(5);
-    let mut members: Vec<MemberId> = (1000..2000).collect();
-    let mut sessions: BTreeMap<MemberId, MemberSession> = BTreeMap::new();
-    for &id in &members {
-        let s = MemberSession::new(id, "w:f32[8]".into(), beat, t0).expect("session");
-        let Request::Register { id, spec, view } = s.register() else {
-            panic!("not a registration")
-        };
-        c.register(t0, id, &spec, view).expect("registers");
-        c.report(t0, id, 0, s.step());
-        sessions.insert(id, s);
-    }
-    // Every live member's session heartbeats when due and hears the coordinator's answer.
-    let heartbeat_all = |c: &mut Coordinator,
-                         sessions: &mut BTreeMap<MemberId, MemberSession>,
-                         at: Instant|
-     -> Vec<(MemberId, SessionEvent)> {
-        let mut events = Vec::new();
-        for (&id, s) in sessions.iter_mut() {
-            if let Some(Request::Heartbeat { id: who, step }) = s.poll_heartbeat(at) {
-                assert_eq!(who, id);
-                let b = c.heartbeat(at, id, step);
-                let got = s.on_heartbeat_answer(at, Ok(Reply::Beat(b)));
-                events.extend(got.into_iter().map(|e| (id, e)));
-            }
-        }
-        events
-    };
-    let mut now = Duration::from_millis(250);
-    heartbeat_all(&mut c, &mut sessions, t0 + now);
-    c.handle_timeout(t0 + now);
-    let mut epoch = match c.readiness(members[0], 0) {
-        Readiness::Formed(e) => e,
-        other => panic!("no first epoch: {other:?}"),
-    };
-    for s in sessions.values_mut() {
-        s.on_formed(epoch.clone());
-        assert_eq!(s.watch(epoch.number), None, "a fresh epoch is not over");
-    }
-    let deaths_per_epoch = [17usize, 17, 16, 0];
-    for (e, &deaths) in deaths_per_epoch.iter().enumerate() {
-        assert_eq!(
-            epoch.members.iter().map(|m| m.id).collect::<Vec<_>>(),
-            members
-        );
+    let mut lists = vec![members.clone()];
+    let mut epochs = Vec::new();
+    for (e, deaths) in [17usize, 17, 16, 0].into_iter().enumerate() {
         let w = members.len();
         let mut dying: Vec<usize> = Vec::new();
         while dying.len() < deaths {
@@ -538,16 +522,18 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
                 dying.push(r);
             }
         }
+        let death_times: Vec<Duration> = dying
+            .iter()
+            .map(|_| Duration::from_micros(rng.random_range(0..1000)))
+            .collect();
         let mut cfg = datacentre(w);
         cfg.scale = 1e6;
         cfg.seed = e as u64;
         cfg.heartbeat = beat;
         cfg.faults = dying
             .iter()
-            .map(|&rank| Fault::Rank {
-                rank,
-                at: Duration::from_micros(rng.random_range(0..1000)),
-            })
+            .zip(&death_times)
+            .map(|(&rank, &at)| Fault::Rank { rank, at })
             .collect();
         let (out, report) = all_reduce(&cfg, Algorithm::Tree, 64);
         let want = expected(w, 64);
@@ -561,77 +547,93 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
                 other => panic!("epoch {e} rank {r}: {other:?}"),
             }
         }
+        // In the second epoch the deaths come while the members compute (no collective
+        // notices them): the survivors hear of them from their sessions.
+        epochs.push(EpochPlan {
+            deaths: dying
+                .iter()
+                .zip(&death_times)
+                .map(|(&r, &at)| (members[r], at))
+                .collect(),
+            fails_after: (e != 1).then_some(report.elapsed),
+        });
         if deaths == 0 {
             break;
         }
-        // The dead stop heartbeating (a death is within the first millisecond, so they miss
-        // every beat); survivors report once their operation has failed.
-        for &r in &dying {
-            sessions.remove(&members[r]);
-        }
-        let end = now + report.elapsed + coord_cfg.dead_after * 3;
-        let mut reported = false;
-        let mut ended: Vec<MemberId> = Vec::new();
-        let mut t = now;
-        while t <= end {
-            for (id, event) in heartbeat_all(&mut c, &mut sessions, t0 + t) {
-                assert_eq!(event, SessionEvent::EpochEnded(epoch.number), "member {id}");
-                ended.push(id);
-            }
-            if !reported && t >= now + report.elapsed {
-                for (&id, s) in &sessions {
-                    c.report(t0 + t, id, epoch.number, s.step());
-                }
-                reported = true;
-            }
-            c.handle_timeout(t0 + t);
-            t += beat;
-        }
-        now = t;
-        let survivors: Vec<MemberId> = members
+        members = members
             .iter()
             .enumerate()
             .filter(|(r, _)| !dying.contains(r))
-            .map(|(_, &id)| id)
+            .map(|(_, &m)| m)
             .collect();
-        ended.sort_unstable();
-        assert_eq!(
-            ended, survivors,
-            "epoch {e}: every survivor's session saw the end once"
-        );
-        for (id, s) in &sessions {
-            let b = s.beat().expect("answered");
-            assert!(
-                b.member && b.latest == epoch.number + 1,
-                "member {id}: {b:?}"
-            );
-        }
-        let seen = epoch.number;
-        let next = match c.readiness(survivors[0], seen) {
-            Readiness::Formed(n) => n,
-            other => panic!("epoch {e}: no next epoch: {other:?}"),
-        };
-        for &id in &survivors {
-            assert_eq!(
-                c.readiness(id, seen),
-                Readiness::Formed(next.clone()),
-                "member {id}"
-            );
-        }
-        for (r, &id) in members.iter().enumerate() {
-            if dying.contains(&r) {
-                assert_ne!(c.readiness(id, seen), Readiness::Formed(next.clone()));
-            }
-        }
-        assert_eq!(next.number, seen + 1);
-        for s in sessions.values_mut() {
-            s.on_formed(next.clone());
-            assert_eq!(s.watch(next.number), None, "epoch {}", next.number);
-        }
-        members = survivors;
-        epoch = next;
+        lists.push(members.clone());
     }
     assert_eq!(members.len(), 950);
+
+    // The same job through the planned failures.
+    let run = simulate_elastic(&net, &plan(epochs.clone())).expect("simulation runs");
+    let log = &run.coordinator;
+    assert!(
+        !log.hit_limit,
+        "the coordinator waited for leavers until its limit"
+    );
+    assert_eq!(log.left, 950);
+    let formed: Vec<&Epoch> = log.epochs.iter().map(|(_, e)| e).collect();
+    assert_eq!(formed.len(), lists.len());
+    for (e, (epoch, list)) in formed.iter().zip(&lists).enumerate() {
+        let ids: Vec<MemberId> = list.iter().map(|&r| member_id(r)).collect();
+        let got: Vec<MemberId> = epoch.members.iter().map(|m| m.id).collect();
+        assert_eq!(got, ids, "epoch {e}: the survivors, in order");
+        assert_eq!(epoch.number, formed[0].number + e as u64);
+    }
+    for (r, life) in run.members.iter().enumerate() {
+        assert!(life.error.is_none(), "member {r}: {:?}", life.error);
+        let lived = lists.iter().filter(|l| l.contains(&r)).count();
+        let mine: Vec<&Epoch> = life.epochs.iter().collect();
+        assert_eq!(
+            mine,
+            formed[..lived],
+            "member {r} was handed the coordinator's epochs"
+        );
+        if lived == lists.len() {
+            assert!(!life.died, "member {r}");
+            // Its session announced the end of the epoch where nothing else told it, and
+            // never one twice.
+            assert!(
+                life.ended.contains(&formed[1].number),
+                "member {r}: {:?}",
+                life.ended
+            );
+            let mut once = life.ended.clone();
+            once.dedup();
+            assert_eq!(once, life.ended, "member {r}");
+        } else {
+            assert!(life.died, "member {r} was to die in epoch {}", lived - 1);
+        }
+    }
+    // Each change: the survivors report when their all-reduce failed; the dead are found
+    // after the silence limit; the epoch forms at the next timer, and its answer reaches
+    // every survivor within a few heartbeats.
+    let starts: Vec<Duration> = log.epochs.iter().map(|(t, _)| *t).collect();
+    for e in 0..lists.len() - 1 {
+        let last_death = epochs[e]
+            .deaths
+            .iter()
+            .map(|(_, at)| *at)
+            .max()
+            .unwrap_or_default();
+        let fails = epochs[e].fails_after.unwrap_or_default();
+        let bound = fails.max(last_death + coordinator.dead_after) + beat * 3;
+        let took = starts[e + 1] - starts[e];
+        assert!(
+            took <= bound,
+            "epoch {e}: the change took {took:?}, more than {bound:?}"
+        );
+        assert!(
+            took >= fails.max(coordinator.dead_after),
+            "epoch {e}: {took:?}"
+        );
+    }
 }
 
 /// A thousand ranks meet through the rendezvous's own state machine and driver: every rank

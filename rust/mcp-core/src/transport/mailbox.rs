@@ -186,18 +186,21 @@ impl Mailbox {
             .copied()
     }
 
-    /// Takes every frame of `space` and sequence `seq` that has arrived, from any source,
-    /// and that nobody waits for, in order of source. Costs the frames filed and not yet
-    /// taken, not the sources that might send (rank 0 of a large job gathers Hellos in O(W)).
-    pub fn take_arrived(&self, space: SeqSpace, seq: u64) -> Vec<(MsgKey, Result<Frame>)> {
+    /// Takes every frame of `space` (and sequence `seq`, if given) that has arrived, from any
+    /// source, and that nobody waits for, in order of source and sequence. Costs the frames
+    /// filed and not yet taken, not the sources that might send (rank 0 of a large job
+    /// gathers Hellos in O(W)).
+    pub fn take_arrived(&self, space: SeqSpace, seq: Option<u64>) -> Vec<(MsgKey, Result<Frame>)> {
         let mut inner = self.lock();
         let mut keys: Vec<MsgKey> = inner
             .slots
             .iter()
-            .filter(|(k, slot)| k.space == space && k.seq == seq && matches!(slot, Slot::Ready(_)))
+            .filter(|(k, slot)| {
+                k.space == space && seq.is_none_or(|s| k.seq == s) && matches!(slot, Slot::Ready(_))
+            })
             .map(|(k, _)| *k)
             .collect();
-        keys.sort_unstable_by_key(|k| (k.src, k.step, k.chunk));
+        keys.sort_unstable_by_key(|k| (k.src, k.seq, k.step, k.chunk));
         keys.into_iter()
             .filter_map(|k| match inner.slots.remove(&k) {
                 Some(Slot::Ready(item)) => Some((k, item)),
@@ -547,7 +550,7 @@ mod tests {
         tokio::task::yield_now().await;
         assert_eq!(mb.pending(), 5);
         let got: Vec<(u32, u32)> = mb
-            .take_arrived(SeqSpace::Collective, 5)
+            .take_arrived(SeqSpace::Collective, Some(5))
             .into_iter()
             .map(|(k, f)| {
                 let f = f.expect("a frame");
@@ -556,12 +559,12 @@ mod tests {
             })
             .collect();
         assert_eq!(got, vec![(1, 0), (1, 1), (3, 0)]);
-        assert!(mb.take_arrived(SeqSpace::Collective, 5).is_empty());
-        assert!(mb.take_arrived(SeqSpace::P2p, 6).is_empty());
+        assert!(mb.take_arrived(SeqSpace::Collective, Some(5)).is_empty());
+        assert!(mb.take_arrived(SeqSpace::P2p, None).is_empty());
         mb.deliver(k4, Ok(f4));
         let got = waiter.await.expect("join").expect("the waiter's frame");
         assert_eq!(got.header.src, 4);
-        assert_eq!(mb.take_arrived(SeqSpace::Collective, 6).len(), 1);
+        assert_eq!(mb.take_arrived(SeqSpace::Collective, None).len(), 1);
         assert_eq!(mb.pending(), 0);
     }
 

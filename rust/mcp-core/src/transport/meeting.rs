@@ -73,7 +73,7 @@ pub async fn gather<T: Transport>(
         Some(table) => table,
         None => 'gathering: loop {
             let arrival = t.mailbox().arrival();
-            for (key, frame) in t.mailbox().take_arrived(SeqSpace::Control, 0) {
+            for (key, frame) in t.mailbox().take_arrived(SeqSpace::Control, Some(0)) {
                 let frame = frame?;
                 if frame.header.kind != FrameKind::Hello {
                     continue;
