@@ -111,6 +111,49 @@ def test_the_cli_prints_every_strategy_and_its_arithmetic_holds(
     # (every 1.25 s), and the aborts cross in microseconds.
     assert doc["facts"]["abort_after_failure_s"] == pytest.approx(11.25 - 1e-3, abs=1e-3)
     assert doc["facts"]["rendezvous_s"] > 0 and doc["facts"]["rendezvous_note"] == ""
+    # Elastic: the coordinator finds the node silent after its 0.3 s limit, long before the
+    # transport's detector; each failure costs that, the new group's rendezvous and a step.
+    change = doc["facts"]["epoch_change_s"]
+    assert 0.2 < change < 0.31, change
+    for r in doc["rows"]:
+        per_failure = change + doc["facts"]["rendezvous_s"] + r["step_s"]
+        failures = 4 * 0.05 * (50 * r["step_s"] + r["checkpoint_s"]) / sim.DAY_S
+        assert r["failure_s"] == pytest.approx(failures * per_failure)
+
+
+def test_a_node_lost_by_an_elastic_job_is_replaced_by_the_next_epoch_within_the_silence_limit() -> (
+    None
+):
+    # 8 hosts of 4 members and the coordinator; the members of host 4 die 1 ms into the first
+    # epoch, between two heartbeats (every 0.1 s): the coordinator declares them dead 0.3 s
+    # after it last heard them, 0.2-0.3 s after their death, and forms the next epoch of the
+    # 28 survivors, which every survivor holds within a few hundred microseconds.
+    out = _core.sim_membership_change(32, ranks_per_host=4, heartbeat_s=0.1, dead_after_s=0.3)
+    assert out["error"] is None and out["agreed"] is True
+    assert 0.2 <= out["change_s"] <= 0.301, out
+    # A collective that fails earlier changes nothing: the epoch waits for the silence limit.
+    early = _core.sim_membership_change(32, ranks_per_host=4, fails_after_s=0.01)
+    assert early["change_s"] == pytest.approx(out["change_s"], abs=1e-3)
+    # A faster coordinator limit, a faster change.
+    fast = _core.sim_membership_change(32, ranks_per_host=4, heartbeat_s=0.02, dead_after_s=0.06)
+    assert 0.04 <= fast["change_s"] <= 0.061, fast
+    # The coordinator sends every survivor the whole epoch (plus the heartbeats' answers).
+    assert out["coordinator_bytes"] > 28 * 28 * 16
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"members": 30, "ranks_per_host": 4},
+        {"members": 4, "ranks_per_host": 4},
+        {"members": 8, "ranks_per_host": 0},
+        {"members": 8, "dead_after_s": -1.0},
+        {"members": 8, "heartbeat_s": float("nan")},
+    ],
+)
+def test_bad_membership_change_arguments_are_value_errors(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        _core.sim_membership_change(**kwargs)
 
 
 def test_the_cli_refuses_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:

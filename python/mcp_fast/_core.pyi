@@ -59,6 +59,21 @@ def sim_rendezvous(
     seed: int = 0,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]: ...
+def sim_membership_change(
+    members: int,
+    *,
+    ranks_per_host: int = 1,
+    intra_gbps: float = 2400.0,
+    intra_rtt_s: float = 4e-6,
+    inter_gbps: float = 100.0,
+    inter_rtt_s: float = 20e-6,
+    seed: int = 0,
+    heartbeat_s: float = 0.1,
+    dead_after_s: float = 0.3,
+    die_after_s: float = 0.001,
+    fails_after_s: float | None = None,
+    limit_s: float = 600.0,
+) -> dict[str, Any]: ...
 
 @final
 class Work:

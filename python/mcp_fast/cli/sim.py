@@ -14,10 +14,12 @@ link; a host's card shared by its GPUs), loss (the recovery delay a reliable str
 the frames' sizes scaled up from a small real buffer. What is composed here, in plain
 arithmetic that ``docs/simulator.md`` spells out, is the strategy around those collectives:
 hierarchical = intra-host all-reduce + inter-host ring on 1/G of the gradient (G rings sharing
-each card); DiLoCo = one such all-reduce every H steps; failures = the measured abort time
-plus recovery, times the expected number of failures in a training; checkpoints = their size
-over the disks' bandwidth. A ring too large to simulate within ``--max-frames`` is simulated
-at two smaller sizes and extrapolated by the ring's cost form (marked ``~``).
+each card); DiLoCo = one such all-reduce every H steps; failures = the simulated recovery (an
+elastic job: the membership protocol's own change of epoch, ``_core.sim_membership_change``;
+a restart: the abort, the restart and the reload) times the expected number of failures in a
+training; checkpoints = their size over the disks' bandwidth. A ring too large to simulate
+within ``--max-frames`` is simulated at two smaller sizes and extrapolated by the ring's cost
+form (marked ``~``).
 
 ``mcp-sim validate [--data DIR] [--json OUT] [--seed N] [--shm-gbps 20]`` compares the
 simulator's predictions with what ``benches/`` measured on this machine
@@ -115,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
         " 2 intervals + max(interval/4, 1.3 RTT))",
     )
     p.add_argument(
+        "--member-heartbeat-s",
+        type=float,
+        default=0.1,
+        help="elastic jobs: interval of each member's heartbeat to the coordinator, s",
+    )
+    p.add_argument(
+        "--dead-after-s",
+        type=float,
+        default=0.3,
+        help="elastic jobs: the coordinator declares a member silent this long dead, s",
+    )
+    p.add_argument(
         "--checkpoint",
         choices=["elastic", "restart"],
         default="elastic",
@@ -196,26 +210,56 @@ def _meet(world: int, group: int, **kw: Any) -> dict[str, Any]:
     return out
 
 
-def _rendezvous(world: int, group: int, max_ranks: int, **kw: Any) -> tuple[dict[str, Any], str]:
-    """The rendezvous (every Hello to rank 0, the table back to each rank), simulated whole up
-    to ``max_ranks`` (8,000 ranks take a fraction of a second) and beyond it extrapolated from
-    two smaller ones by T(W) = a + b·W(W-G): rank 0's card sends a table of W lines to each
-    of the W - G ranks on other hosts."""
+def _quadratic(
+    simulate: Any, world: int, group: int, max_ranks: int, key: str, bytes_key: str
+) -> tuple[dict[str, Any], str]:
+    """``simulate(world)`` whole up to ``max_ranks``; beyond, extrapolated from two smaller
+    worlds by T(W) = a + b·W(W-G) for ``key`` and B(W) ∝ W(W-G) for ``bytes_key``: one
+    process (rank 0, the coordinator) sends a message of W lines to each of the W - G
+    ranks on other hosts."""
     if world <= max_ranks:
-        return _meet(world, group, **kw), ""
+        return simulate(world), ""
     w1 = max(2 * group, max_ranks // group * group)
     w2 = max(group, w1 // 2 // group * group)
-    r1, r2 = _meet(w1, group, **kw), _meet(w2, group, **kw)
+    r1, r2 = simulate(w1), simulate(w2)
     x1, x2 = w1 * (w1 - group), w2 * (w2 - group)
-    b = (r1["elapsed_s"] - r2["elapsed_s"]) / (x1 - x2)
-    a = r1["elapsed_s"] - b * x1
+    b = (r1[key] - r2[key]) / (x1 - x2)
+    a = r1[key] - b * x1
     x = world * (world - group)
     est = dict(r1)
-    est["elapsed_s"] = a + b * x
-    est["table_bytes"] = r1["table_bytes"] * world / w1
-    est["rank0_bytes"] = r1["rank0_bytes"] * x / x1
-    est["ok_ranks"] = world
+    est[key] = a + b * x
+    est[bytes_key] = r1[bytes_key] * x / x1
     return est, f"~ extrapolated from {w1} and {w2} ranks"
+
+
+def _rendezvous(world: int, group: int, max_ranks: int, **kw: Any) -> tuple[dict[str, Any], str]:
+    """The rendezvous (every Hello to rank 0, the table back to each rank), simulated whole up
+    to ``max_ranks`` (8,000 ranks take a fraction of a second) and beyond it extrapolated
+    (:func:`_quadratic`)."""
+    est, note = _quadratic(
+        lambda w: _meet(w, group, **kw), world, group, max_ranks, "elapsed_s", "rank0_bytes"
+    )
+    if note:
+        est["table_bytes"] = est["table_bytes"] * world / max(2 * group, max_ranks // group * group)
+        est["ok_ranks"] = world
+    return est, note
+
+
+def _membership_change(
+    world: int, group: int, max_ranks: int, **kw: Any
+) -> tuple[dict[str, Any], str]:
+    """An elastic job losing a node: the membership protocol (every member's session, the
+    coordinator's service, every message a frame) from the node's death until every survivor
+    holds the next epoch; simulated whole up to ``max_ranks`` members (8,000 take about 10 s),
+    beyond extrapolated (:func:`_quadratic`: each survivor is sent the whole epoch)."""
+
+    def simulate(w: int) -> dict[str, Any]:
+        out = _core.sim_membership_change(w, ranks_per_host=group, **kw)
+        if out["error"] is not None or not out["agreed"] or out["change_s"] is None:
+            raise MCPError(f"the simulated membership change of {w} members failed: {out}")
+        return out
+
+    return _quadratic(simulate, world, group, max_ranks, "change_s", "coordinator_bytes")
 
 
 def _settings(args: argparse.Namespace) -> argparse.Namespace:
@@ -227,7 +271,7 @@ def _settings(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("nodes", "gpus_per_node", "steps", "checkpoint_every", "diloco_h"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("params", "compute_s", "disk_gbps"):
+    for name in ("params", "compute_s", "disk_gbps", "member_heartbeat_s", "dead_after_s"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if not 0 <= args.failure_rate <= 1:
@@ -286,6 +330,20 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
     # Forming the job (and each new epoch or restart after a failure): the real rendezvous.
     meet_link = {k: v for k, v in link.items() if k != "heartbeat_s"}
     meet, meet_note = _rendezvous(n * g, g, args.max_meet, **meet_link)
+    # An elastic job losing a node: the real membership protocol until every survivor holds
+    # the next epoch (their watch on the epoch ends it before the transport's detector does).
+    change, change_note = None, ""
+    if args.checkpoint == "elastic" and n >= 2:
+        member_link = {k: v for k, v in meet_link.items() if k != "loss"}
+        change, change_note = _membership_change(
+            n * g,
+            g,
+            args.max_meet,
+            heartbeat_s=args.member_heartbeat_s,
+            dead_after_s=args.dead_after_s,
+            fails_after_s=abort_s,
+            **member_link,
+        )
     ckpt_bytes = args.params * args.checkpoint_bytes_per_param
     full_write_s = ckpt_bytes / (n * args.disk_gbps * 1e9 / 8)
     delta_write_s = full_write_s * args.delta_ratio
@@ -298,6 +356,9 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         "rendezvous_table_bytes": meet["table_bytes"],
         "rendezvous_rank0_bytes": meet["rank0_bytes"],
         "rendezvous_note": meet_note,
+        "epoch_change_s": change["change_s"] if change else None,
+        "epoch_change_coordinator_bytes": change["coordinator_bytes"] if change else None,
+        "epoch_change_note": change_note,
         "checkpoint_full_bytes": ckpt_bytes,
         "checkpoint_delta_bytes": ckpt_bytes * args.delta_ratio,
         "checkpoint_full_write_s": full_write_s,
@@ -313,7 +374,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         base = args.steps * step + ckpt_s
         # Survivors meet again in a new epoch (or the restarted job meets) and redo work.
         if args.checkpoint == "elastic":
-            per_failure = abort_s + meet["elapsed_s"] + step
+            recovered = change["change_s"] if change else abort_s
+            per_failure = recovered + meet["elapsed_s"] + step
         else:
             per_failure = (
                 abort_s
@@ -369,6 +431,15 @@ def _print(args: argparse.Namespace, rows: list[Row], facts: dict[str, Any]) -> 
         f" {_si(facts['checkpoint_delta_bytes'], 'B')} delta, written in"
         f" {facts['checkpoint_full_write_s']:.2f} s / {facts['checkpoint_delta_write_s']:.2f} s"
     )
+    if facts["epoch_change_s"] is not None:
+        sent = _si(facts["epoch_change_coordinator_bytes"], "B")
+        line = (
+            f"a node failing in the elastic job: every survivor held the next epoch"
+            f" {facts['epoch_change_s'] * 1e3:.0f} ms after (the coordinator's silence limit"
+            f" {args.dead_after_s:g} s, heartbeats every {args.member_heartbeat_s:g} s;"
+            f" it sent {sent}) {facts['epoch_change_note']}"
+        )
+        print(line.rstrip())
     table = _si(facts["rendezvous_table_bytes"], "B")
     print(
         f"forming the job: {args.nodes * args.gpus_per_node} ranks meet in"

@@ -26,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::codec_round_trip, m)?)?;
     m.add_function(wrap_pyfunction!(sim::sim_all_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(sim::sim_rendezvous, m)?)?;
+    m.add_function(wrap_pyfunction!(sim::sim_membership_change, m)?)?;
     m.add_function(wrap_pyfunction!(netem::netem_forward, m)?)?;
     delta::register(m)?;
     elastic::register(m)?;

@@ -1,9 +1,13 @@
-//! The simulator's entry points for `mcp-sim`: one all-reduce, or one rendezvous, in
-//! virtual time.
+//! The simulator's entry points for `mcp-sim`: one all-reduce, one rendezvous, or one
+//! membership change, in virtual time.
 
 use crate::errors::to_py;
 use mcp_core::group::Algorithm;
-use mcp_core::sim::{time_all_reduce, time_rendezvous, Fault, LinkSpec, SimConfig, Topology};
+use mcp_core::membership::coordinator::CoordinatorConfig;
+use mcp_core::sim::{
+    simulate_elastic, time_all_reduce, time_rendezvous, ElasticPlan, EpochPlan, Fault, LinkSpec,
+    SimConfig, Topology,
+};
 use mcp_core::wire::Codec;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -144,5 +148,137 @@ pub fn sim_rendezvous<'py>(
     d.set_item("rank0_bytes", t.rank0_bytes)?;
     d.set_item("ok_ranks", t.ok_ranks)?;
     d.set_item("error", t.first_error.map(|e| e.to_string()))?;
+    Ok(d)
+}
+
+/// Times a membership change of an elastic job of `members` (plus the coordinator on a host
+/// of its own), the protocol's every message a frame: the job forms, then the members of
+/// one host die `die_after_s` into the first epoch; the coordinator finds them silent after
+/// `dead_after_s` (heartbeats every `heartbeat_s`), or the survivors report earlier when
+/// their collective fails (`fails_after_s`, if given) or their watch on the epoch says it
+/// ended. Returns virtual seconds from the deaths until the last survivor had the next
+/// epoch, until every member had the first, the bytes the coordinator sent, requests and
+/// frames, and whether every survivor was handed the same next epoch of exactly the
+/// survivors.
+#[pyfunction]
+#[pyo3(signature = (
+    members, *, ranks_per_host=1, intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0,
+    inter_rtt_s=20e-6, seed=0, heartbeat_s=0.1, dead_after_s=0.3, die_after_s=0.001,
+    fails_after_s=None, limit_s=600.0
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn sim_membership_change<'py>(
+    py: Python<'py>,
+    members: usize,
+    ranks_per_host: usize,
+    intra_gbps: f64,
+    intra_rtt_s: f64,
+    inter_gbps: f64,
+    inter_rtt_s: f64,
+    seed: u64,
+    heartbeat_s: f64,
+    dead_after_s: f64,
+    die_after_s: f64,
+    fails_after_s: Option<f64>,
+    limit_s: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    if ranks_per_host == 0
+        || !members.is_multiple_of(ranks_per_host)
+        || members < 2 * ranks_per_host
+    {
+        return Err(PyValueError::new_err(format!(
+            "a membership change needs at least two whole hosts of members, got {members} \
+             members at {ranks_per_host} per host"
+        )));
+    }
+    let topology = topology(
+        ranks_per_host,
+        (intra_gbps, intra_rtt_s, 0.0),
+        (inter_gbps, inter_rtt_s, 0.0),
+        0.0,
+    )?;
+    // The coordinator is one more rank, alone on the host after the members'.
+    let world = members + 1;
+    let mut cfg = SimConfig::new(world, topology);
+    cfg.seed = seed;
+    let host = members / ranks_per_host / 2;
+    let die_after = secs("die_after_s", die_after_s)?;
+    let dying: Vec<usize> = (host * ranks_per_host..(host + 1) * ranks_per_host).collect();
+    let plan = ElasticPlan {
+        coordinator: CoordinatorConfig {
+            dead_after: secs("dead_after_s", dead_after_s)?,
+            ..CoordinatorConfig::default()
+        },
+        heartbeat: secs("heartbeat_s", heartbeat_s)?,
+        epochs: vec![
+            EpochPlan {
+                deaths: dying.iter().map(|&r| (r, die_after)).collect(),
+                fails_after: fails_after_s
+                    .map(|s| secs("fails_after_s", s))
+                    .transpose()?,
+            },
+            EpochPlan::default(),
+        ],
+        limit: secs("limit_s", limit_s)?,
+    };
+    let run = py
+        .detach(|| simulate_elastic(&cfg, &plan))
+        .map_err(|e| to_py(py, e))?;
+    let survivors: Vec<_> = run
+        .members
+        .iter()
+        .enumerate()
+        .filter(|(r, _)| !dying.contains(r))
+        .map(|(_, l)| l)
+        .collect();
+    let first_s = run
+        .members
+        .iter()
+        .filter_map(|l| l.formed_at.first())
+        .max()
+        .map(|d| d.as_secs_f64());
+    let deaths_at = dying
+        .iter()
+        .filter_map(|&r| run.members[r].formed_at.first())
+        .min()
+        .map(|d| *d + die_after);
+    let changed = survivors
+        .iter()
+        .map(|l| l.formed_at.get(1).copied())
+        .collect::<Option<Vec<_>>>()
+        .and_then(|v| v.into_iter().max());
+    let next = survivors.first().and_then(|l| l.epochs.get(1));
+    let agreed = next.is_some_and(|e| {
+        e.members.len() == survivors.len()
+            && survivors.iter().all(|l| l.epochs.get(1) == Some(e))
+            && e.members.iter().all(|m| {
+                let r = (m.id - mcp_core::sim::member_id(0)) as usize;
+                !dying.contains(&r)
+            })
+    });
+    let error = run
+        .members
+        .iter()
+        .find_map(|l| l.error.as_ref())
+        .map(|e| e.to_string())
+        .or_else(|| {
+            run.coordinator
+                .hit_limit
+                .then(|| format!("the job did not end within {limit_s} s"))
+        });
+    let d = PyDict::new(py);
+    d.set_item(
+        "change_s",
+        changed.zip(deaths_at).map(|(c, a)| (c - a).as_secs_f64()),
+    )?;
+    d.set_item("first_epoch_s", first_s)?;
+    d.set_item("agreed", agreed)?;
+    d.set_item(
+        "coordinator_bytes",
+        run.report.wire_bytes.last().copied().unwrap_or(0.0),
+    )?;
+    d.set_item("requests", run.coordinator.requests)?;
+    d.set_item("frames", run.report.frames)?;
+    d.set_item("error", error)?;
     Ok(d)
 }

@@ -129,6 +129,11 @@ pub struct Coordinator {
     high_water: u64,
     /// The first input's time: the rebuild window counts from it.
     started: Option<Instant>,
+    /// Each member of the current epoch's rank (a heartbeat's answer is looked up, not
+    /// searched for: a coordinator of thousands answers tens of thousands a second).
+    ranks: HashMap<MemberId, usize>,
+    /// Bumped whenever an answer to a waiting member could change (see [`Coordinator::revision`]).
+    revision: u64,
 }
 
 impl Coordinator {
@@ -151,6 +156,8 @@ impl Coordinator {
             last_report: None,
             high_water: 0,
             started: None,
+            ranks: HashMap::new(),
+            revision: 0,
         }
     }
 
@@ -200,7 +207,7 @@ impl Coordinator {
                         report: None,
                     });
                 }
-                self.current = Some(view);
+                self.set_current(view);
                 self.gone.clear();
                 self.changing = None;
                 self.change_at = None;
@@ -225,17 +232,44 @@ impl Coordinator {
     }
 
     fn is_member(&self, id: MemberId) -> bool {
-        !self.gone.contains(&id)
-            && self
-                .current
-                .as_ref()
-                .is_some_and(|c| c.rank_of(id).is_some())
+        !self.gone.contains(&id) && self.ranks.contains_key(&id)
     }
 
     fn begin_change(&mut self, now: Instant) {
         if self.current.is_some() && self.changing.is_none() {
             self.changing = Some(now);
+            self.revision += 1;
         }
+    }
+
+    /// Makes `epoch` the current one.
+    fn set_current(&mut self, epoch: Epoch) {
+        self.ranks = epoch
+            .members
+            .iter()
+            .enumerate()
+            .map(|(r, m)| (m.id, r))
+            .collect();
+        self.current = Some(epoch);
+        self.revision += 1;
+    }
+
+    /// A member is no longer known (left, died, silent): its waits are answered anew.
+    fn forget(&mut self, id: MemberId) -> bool {
+        let known = self.known.remove(&id).is_some();
+        if known {
+            self.revision += 1;
+        }
+        known
+    }
+
+    /// A number that changes whenever the answer to a waiting member's question
+    /// ([`Coordinator::readiness`], [`Coordinator::master`], [`Coordinator::beat_of`]'s
+    /// verdict on an epoch) may have changed, and only rarely otherwise: heartbeats and
+    /// reports that change nothing for the others leave it alone. Whoever holds questions
+    /// asks them again only when it moved.
+    pub fn revision(&self) -> u64 {
+        self.revision
     }
 
     /// A heartbeat: the member is alive, with `step` committed.
@@ -290,6 +324,7 @@ impl Coordinator {
                 .max()
                 .unwrap_or(NO_STATE);
             self.change_at = Some(best.max(0) + 1);
+            self.revision += 1;
         }
         self.try_form(now);
     }
@@ -297,9 +332,7 @@ impl Coordinator {
     /// Whether the epoch `id` waits for (newer than `seen`) has formed.
     pub fn readiness(&self, id: MemberId, seen: u64) -> Readiness {
         match &self.current {
-            Some(c) if c.number > seen && c.rank_of(id).is_some() && !self.gone.contains(&id) => {
-                Readiness::Formed(c.clone())
-            }
+            Some(c) if c.number > seen && self.is_member(id) => Readiness::Formed(c.clone()),
             _ if self.known.get(&id).is_some_and(|k| k.report.is_some()) => Readiness::Waiting,
             _ => Readiness::Unknown,
         }
@@ -310,9 +343,10 @@ impl Coordinator {
     /// typically) and learn that it left from their next collective, which fails at once;
     /// then they report, and the next epoch forms without it.
     pub fn leave(&mut self, now: Instant, id: MemberId) {
-        self.known.remove(&id);
+        self.forget(id);
         if self.is_member(id) {
             self.gone.insert(id);
+            self.revision += 1;
         }
         self.try_form(now);
     }
@@ -321,11 +355,12 @@ impl Coordinator {
     /// the kernel closes when the process exits, was closed) before the heartbeats could.
     /// As a death by silence, only sooner. Ignored for a member that left.
     pub fn died(&mut self, now: Instant, id: MemberId) {
-        if self.known.remove(&id).is_none() {
+        if !self.forget(id) {
             return;
         }
         if self.is_member(id) {
             self.gone.insert(id);
+            self.revision += 1;
             self.begin_change(now);
         }
         self.try_form(now);
@@ -339,6 +374,7 @@ impl Coordinator {
             .is_some_and(|c| c.number == epoch && c.members.first().is_some_and(|m| m.id == id));
         if ok {
             self.master = Some(addr);
+            self.revision += 1;
         }
         ok
     }
@@ -380,9 +416,10 @@ impl Coordinator {
             .map(|(&id, _)| id)
             .collect();
         for id in dead {
-            self.known.remove(&id);
+            self.forget(id);
             if self.is_member(id) {
                 self.gone.insert(id);
+                self.revision += 1;
                 self.begin_change(now);
             }
         }
@@ -461,7 +498,7 @@ impl Coordinator {
                 k.step = m.step;
             }
         }
-        self.current = Some(Epoch {
+        self.set_current(Epoch {
             number,
             incarnation: self.incarnation,
             members,

@@ -11,6 +11,8 @@
 use super::coordinator::{Coordinator, Master, Readiness};
 use super::wire::{Reply, Request};
 use super::MemberId;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
 use std::time::{Duration, Instant};
 
 /// Longest a long poll is held, whatever the member asked for.
@@ -41,25 +43,28 @@ enum Poll {
     End { id: MemberId, epoch: u64 },
 }
 
-#[derive(Debug)]
-struct Held {
-    ticket: Ticket,
-    poll: Poll,
-    until: Instant,
-}
-
-/// The coordinator with its held requests.
+/// The coordinator with its held requests. They are asked again only when the
+/// coordinator's [`Coordinator::revision`] moved, and expire in deadline order, so that a
+/// coordinator holding a watch and a report for each of thousands of members does not
+/// search them all at every heartbeat.
 pub struct Service {
     coordinator: Coordinator,
-    held: Vec<Held>,
+    /// By ticket (an order that does not depend on the process: the simulator replays).
+    held: BTreeMap<Ticket, Poll>,
+    /// When each held request's wait ends (entries of requests answered since are skipped).
+    expiries: BinaryHeap<Reverse<(Instant, Ticket)>>,
+    /// The coordinator's revision when the held requests were last asked again.
+    asked_at: u64,
 }
 
 impl Service {
     /// Serves members with `coordinator`.
     pub fn new(coordinator: Coordinator) -> Service {
         Service {
+            asked_at: coordinator.revision(),
             coordinator,
-            held: Vec::new(),
+            held: BTreeMap::new(),
+            expiries: BinaryHeap::new(),
         }
     }
 
@@ -115,11 +120,8 @@ impl Service {
             return Answer::Reply(reply);
         }
         let wait = Duration::from_millis(u64::from(wait_ms)).min(MAX_WAIT);
-        self.held.push(Held {
-            ticket,
-            poll,
-            until: now + wait,
-        });
+        self.held.insert(ticket, poll);
+        self.expiries.push(Reverse((now + wait, ticket)));
         Answer::Held
     }
 
@@ -156,20 +158,25 @@ impl Service {
     /// wait is over), with their answers; call after every input and timeout.
     pub fn poll_answers(&mut self, now: Instant) -> Vec<(Ticket, Reply)> {
         let mut out = Vec::new();
-        let mut i = 0;
-        while i < self.held.len() {
-            let h = &self.held[i];
-            let reply = match self.ready(h.poll) {
-                Some(r) => Some(r),
-                None if now >= h.until => Some(self.expired(h.poll)),
-                None => None,
-            };
-            match reply {
-                Some(r) => {
-                    let h = self.held.swap_remove(i);
-                    out.push((h.ticket, r));
-                }
-                None => i += 1,
+        if self.coordinator.revision() != self.asked_at {
+            self.asked_at = self.coordinator.revision();
+            let ready: Vec<(Ticket, Reply)> = self
+                .held
+                .iter()
+                .filter_map(|(&t, &poll)| self.ready(poll).map(|r| (t, r)))
+                .collect();
+            for (t, r) in ready {
+                self.held.remove(&t);
+                out.push((t, r));
+            }
+        }
+        while let Some(&Reverse((until, ticket))) = self.expiries.peek() {
+            if until > now {
+                break;
+            }
+            self.expiries.pop();
+            if let Some(poll) = self.held.remove(&ticket) {
+                out.push((ticket, self.expired(poll)));
             }
         }
         out
@@ -178,19 +185,20 @@ impl Service {
     /// Every held request answered as if its wait were over (the driver is closing).
     pub fn release_all(&mut self) -> Vec<(Ticket, Reply)> {
         let held = std::mem::take(&mut self.held);
+        self.expiries.clear();
         held.into_iter()
-            .map(|h| (h.ticket, self.expired(h.poll)))
+            .map(|(t, poll)| (t, self.expired(poll)))
             .collect()
     }
 
     /// Forgets a held request whose member went away (its connection closed).
     pub fn forget(&mut self, ticket: Ticket) {
-        self.held.retain(|h| h.ticket != ticket);
+        self.held.remove(&ticket);
     }
 
     /// When [`Service::handle_timeout`] and [`Service::poll_answers`] are next needed.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let held = self.held.iter().map(|h| h.until).min();
+        let held = self.expiries.peek().map(|Reverse((until, _))| *until);
         match (self.coordinator.poll_timeout(), held) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

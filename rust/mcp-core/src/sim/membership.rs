@@ -3,7 +3,8 @@
 //! simulated network, so that the protocol's messages take their links' time, queue behind
 //! each other, and stop with the rank that sends them.
 //!
-//! A member registers, reports for the first epoch and heartbeats when its session says so;
+//! A member registers, reports for the first epoch, heartbeats when its session says so and
+//! keeps a watch on its epoch at the coordinator (answered as soon as the epoch ends);
 //! what happens in each epoch is the plan's: some members die (their process stops, and the
 //! coordinator finds them by their silence), and the survivors report for the next epoch
 //! when their collective fails, or, when they are not in one, when their session says the
@@ -243,6 +244,7 @@ enum Asked {
     Register,
     Report,
     Heartbeat { sent: Instant },
+    Watch,
     Leave,
 }
 
@@ -270,6 +272,16 @@ impl Asking<'_> {
         let bytes = req.encode();
         let h = header(self.t.rank(), self.seq, &bytes);
         self.t.send_frame(self.coordinator, &h, &bytes).await
+    }
+}
+
+/// The watch a member keeps on `epoch` while it runs there: answered as soon as the
+/// coordinator ends it (as `membership/client.rs` keeps one).
+fn watch(s: &MemberSession, epoch: u64) -> Request {
+    Request::Watch {
+        id: s.id(),
+        epoch,
+        wait_ms: REPORT_WAIT_MS,
     }
 }
 
@@ -353,6 +365,18 @@ async fn member_life(
                 (Asked::Heartbeat { .. }, reply) => {
                     note(life, s.on_heartbeat_answer(now, Ok(reply)))
                 }
+                (Asked::Watch, Reply::Beat(b)) => {
+                    note(life, s.on_beat(b));
+                    // Still running in the watched epoch: keep a watch at the coordinator.
+                    if let Some(epoch) = s.watched() {
+                        q.ask(&watch(&s, epoch), Asked::Watch).await?;
+                    }
+                }
+                (Asked::Watch, other) => {
+                    return Err(Error::Protocol(format!(
+                        "the coordinator answered a watch with {other:?}"
+                    )))
+                }
                 (Asked::Leave, _) => return Ok(()),
                 (Asked::Report, Reply::Formed(e)) => {
                     let k = life.epochs.len();
@@ -376,6 +400,9 @@ async fn member_life(
                     } else {
                         reported = false;
                         report_at = p.fails_after.map(|after| now + after);
+                        if s.watched() == Some(e.number) {
+                            q.ask(&watch(&s, e.number), Asked::Watch).await?;
+                        }
                     }
                 }
                 (Asked::Report, Reply::Waiting) => q.ask(&report(&s, life), Asked::Report).await?,
