@@ -182,21 +182,13 @@ impl MemberClient {
                     after: timeout,
                 });
             }
-            let wait_ms = left.min(Duration::from_secs(2)).as_millis() as u32;
-            let req = Request::Report {
-                id: self.id(),
-                seen,
-                step,
-                wait_ms,
-            };
+            let req = lock(&self.inner.session).report(seen, left.min(Duration::from_secs(2)));
             match self.request(&req, deadline).await {
-                Ok(Reply::Formed(e)) => {
-                    lock(&self.inner.session).on_formed(e.clone());
-                    return Ok(e);
+                Ok(reply) => {
+                    if let Some(e) = lock(&self.inner.session).on_report_answer(reply)? {
+                        return Ok(e);
+                    }
                 }
-                Ok(Reply::Waiting | Reply::Unknown) => {}
-                Ok(Reply::Refused(why)) => return Err(Error::SpecMismatch(why)),
-                Ok(other) => return Err(unexpected("report", &other)),
                 Err(e @ (Error::Authentication { .. } | Error::SpecMismatch(_))) => return Err(e),
                 Err(_) => tokio::time::sleep(backoff.next_delay()).await,
             }

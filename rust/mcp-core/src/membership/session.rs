@@ -207,6 +207,35 @@ impl MemberSession {
         self.watched = None;
     }
 
+    /// The report of a member that waits for an epoch newer than `seen` (with the steps
+    /// it committed), which the coordinator may hold for up to `wait`.
+    pub fn report(&self, seen: u64, wait: Duration) -> Request {
+        Request::Report {
+            id: self.id,
+            seen,
+            step: self.step,
+            wait_ms: wait.as_millis().min(u128::from(u32::MAX)) as u32,
+        }
+    }
+
+    /// What the coordinator answered a report: the epoch it formed with this member in it
+    /// (the member runs there now), or `None` to report again (the epoch is still forming,
+    /// or a coordinator that lost the report takes it anew). A refusal (another job's
+    /// training state) is `SpecMismatch`, anything else a protocol error.
+    pub fn on_report_answer(&mut self, reply: Reply) -> Result<Option<Epoch>> {
+        match reply {
+            Reply::Formed(e) => {
+                self.on_formed(e.clone());
+                Ok(Some(e))
+            }
+            Reply::Waiting | Reply::Unknown => Ok(None),
+            Reply::Refused(why) => Err(Error::SpecMismatch(why)),
+            other => Err(Error::Protocol(format!(
+                "the coordinator answered a report with {other:?}"
+            ))),
+        }
+    }
+
     /// The coordinator formed `epoch` with this member in it: it runs there now.
     pub fn on_formed(&mut self, epoch: Epoch) {
         self.view = Some(epoch);
@@ -353,6 +382,41 @@ mod tests {
         ));
         assert!(matches!(
             s.on_registered(&Reply::Ok),
+            Err(Error::Protocol(_))
+        ));
+    }
+
+    #[test]
+    fn a_report_is_asked_again_until_the_epoch_forms_and_then_the_member_runs_there() {
+        let t0 = Instant::now();
+        let mut s = MemberSession::new(7, "s".into(), BEAT, t0).expect("session");
+        s.set_step(12);
+        let req = s.report(3, Duration::from_millis(1500));
+        let want = Request::Report {
+            id: 7,
+            seen: 3,
+            step: 12,
+            wait_ms: 1500,
+        };
+        assert_eq!(req, want);
+        assert!(matches!(s.on_report_answer(Reply::Waiting), Ok(None)));
+        assert!(matches!(s.on_report_answer(Reply::Unknown), Ok(None)));
+        let e = Epoch {
+            number: 4,
+            incarnation: 9,
+            members: vec![Member { id: 7, step: 12 }],
+        };
+        assert_eq!(
+            s.on_report_answer(Reply::Formed(e.clone())).ok(),
+            Some(Some(e.clone()))
+        );
+        assert!(matches!(s.register(), Request::Register { view: Some(v), .. } if v == e));
+        assert!(matches!(
+            s.on_report_answer(Reply::Refused("other spec".into())),
+            Err(Error::SpecMismatch(_))
+        ));
+        assert!(matches!(
+            s.on_report_answer(Reply::MasterAt("a:1".into())),
             Err(Error::Protocol(_))
         ));
     }

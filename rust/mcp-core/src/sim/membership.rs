@@ -287,12 +287,8 @@ fn watch(s: &MemberSession, epoch: u64) -> Request {
 
 /// The report for the epoch after the last one `life` ran in.
 fn report(s: &MemberSession, life: &MemberLife) -> Request {
-    Request::Report {
-        id: s.id(),
-        seen: life.epochs.last().map_or(0, |e| e.number),
-        step: s.step(),
-        wait_ms: REPORT_WAIT_MS,
-    }
+    let seen = life.epochs.last().map_or(0, |e| e.number);
+    s.report(seen, Duration::from_millis(u64::from(REPORT_WAIT_MS)))
 }
 
 async fn member_life(
@@ -378,10 +374,13 @@ async fn member_life(
                     )))
                 }
                 (Asked::Leave, _) => return Ok(()),
-                (Asked::Report, Reply::Formed(e)) => {
+                (Asked::Report, reply) => {
+                    let Some(e) = s.on_report_answer(reply)? else {
+                        q.ask(&report(&s, life), Asked::Report).await?;
+                        continue;
+                    };
                     let k = life.epochs.len();
                     s.set_step(k as i64);
-                    s.on_formed(e.clone());
                     life.formed_at.push(now - t0);
                     life.epochs.push(e.clone());
                     note(life, s.watch(e.number));
@@ -404,13 +403,6 @@ async fn member_life(
                             q.ask(&watch(&s, e.number), Asked::Watch).await?;
                         }
                     }
-                }
-                (Asked::Report, Reply::Waiting) => q.ask(&report(&s, life), Asked::Report).await?,
-                (Asked::Report, Reply::Unknown) => q.ask(&s.register(), Asked::Register).await?,
-                (Asked::Report, other) => {
-                    return Err(Error::Protocol(format!(
-                        "the coordinator answered a report with {other:?}"
-                    )))
                 }
             }
         }
