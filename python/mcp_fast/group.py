@@ -18,9 +18,6 @@ from .errors import GroupClosedError, SharedMemoryWarning
 from .settings import Settings, env_int
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
-_ALGORITHMS = {"auto", "ring", "tree", "recursive_doubling", "rd", "hierarchical"}
-
-
 def _op_name(op: Any) -> str:
     """Accept 'sum'/'avg'/'min'/'max'/'prod' or a torch.distributed.ReduceOp."""
     if isinstance(op, str):
@@ -281,11 +278,6 @@ class Group:
         gradients, not parameters; float32 tensors of 1 MiB and more, else none). Partial
         sums accumulate in the tensor's precision and are re-encoded at each hop; every rank
         ends with the same bits."""
-        if algorithm not in _ALGORITHMS:
-            raise ValueError(
-                f"unknown algorithm {algorithm!r}; "
-                "use auto, ring, tree, recursive_doubling or hierarchical"
-            )
         b = view(tensor, name="all_reduce tensor")
         codec = self._resolve_codec(codec, b)
         w = self.core.all_reduce(b, _op_name(op), algorithm, codec, block)
