@@ -18,6 +18,8 @@ from .errors import GroupClosedError, SharedMemoryWarning
 from .settings import Settings, env_int
 
 _OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
+
+
 def _op_name(op: Any) -> str:
     """Accept 'sum'/'avg'/'min'/'max'/'prod' or a torch.distributed.ReduceOp."""
     if isinstance(op, str):
