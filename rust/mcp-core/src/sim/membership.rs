@@ -136,13 +136,20 @@ async fn wait(arrival: tokio::sync::futures::Notified<'_>, at: Option<Instant>) 
     }
 }
 
-/// Runs `plan` on `cfg` (whose world is the members plus the coordinator) and returns what
-/// every member and the coordinator saw.
+/// Runs `plan` on `cfg` (whose world is the members plus the coordinator, at `scale` 1) and
+/// returns what every member and the coordinator saw.
 pub fn simulate_elastic(cfg: &SimConfig, plan: &ElasticPlan) -> Result<ElasticRun> {
     if cfg.world < 2 {
         return Err(Error::InvalidArgument(
             "an elastic simulation needs a member and the coordinator".into(),
         ));
+    }
+    if cfg.scale != 1.0 {
+        // The protocol's messages are point-to-point frames, which `scale` would inflate.
+        return Err(Error::InvalidArgument(format!(
+            "an elastic simulation sends real messages: scale must be 1, got {}",
+            cfg.scale
+        )));
     }
     let coordinator_rank = cfg.world - 1;
     let leavers = coordinator_rank - plan.epochs.iter().map(|e| e.deaths.len()).sum::<usize>();

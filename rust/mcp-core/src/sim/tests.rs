@@ -570,6 +570,13 @@ fn a_thousand_members_agree_on_every_epoch_while_five_percent_die() {
     }
     assert_eq!(members.len(), 950);
 
+    // Its messages are real bytes: a scaled network is refused.
+    let mut scaled = net.clone();
+    scaled.scale = 10.0;
+    assert!(matches!(
+        simulate_elastic(&scaled, &plan(vec![EpochPlan::default()])),
+        Err(Error::InvalidArgument(_))
+    ));
     // The same job through the planned failures.
     let run = simulate_elastic(&net, &plan(epochs.clone())).expect("simulation runs");
     let log = &run.coordinator;
