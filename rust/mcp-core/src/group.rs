@@ -11,7 +11,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::topology::Topology;
 use crate::transport::{encode_abort, MsgKey, SeqSpace, Transport};
-use crate::wire::{Codec, FrameKind, Header, ModelSpec, MAX_DIMS, PROTOCOL_MINOR};
+use crate::wire::{Codec, FrameKind, Header, ModelSpec, MAX_DIMS};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -707,19 +707,7 @@ async fn send_aborts<T: Transport>(
     peers: Vec<usize>,
 ) {
     let payload = encode_abort(space, &err);
-    let header = Header {
-        kind: FrameKind::Abort,
-        minor: PROTOCOL_MINOR,
-        seq,
-        step: 0,
-        chunk: 0,
-        chunk_count: 1,
-        src: t.rank() as u32,
-        aux: 0,
-        spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
-        payload_len: payload.len() as u64,
-        payload_crc: crc32c::crc32c(&payload),
-    };
+    let header = Header::bytes(FrameKind::Abort, t.rank(), seq, 0, &payload);
     let (header, payload) = (Arc::new(header), Arc::new(payload));
     let mut tasks = Vec::new();
     // Not to a lost peer; a stalled one is alive and hears of what it caused.

@@ -399,26 +399,14 @@ async fn stream_lane_sends_no_shards() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aborts_cut_off_by_a_reset_arrive_after_the_reconnection() {
     use mcp_core::transport::{encode_abort, SeqSpace};
-    use mcp_core::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+    use mcp_core::wire::{FrameKind, Header, ModelSpec};
     const ROUNDS: u64 = 8;
     let ts = mesh_with(2, |_| {}).await;
     let (rx, tx) = (ts[0].clone(), ts[1].clone());
     for seq in 0..ROUNDS {
         // The connection exists before the abort: the reset cuts a live one.
         let ping = vec![seq as u8; 64];
-        let header = Header {
-            kind: FrameKind::Send,
-            minor: PROTOCOL_MINOR,
-            seq,
-            step: 0,
-            chunk: 0,
-            chunk_count: 1,
-            src: 1,
-            aux: 0,
-            spec: ModelSpec::flat(DType::U8, ReduceOp::None, ping.len()),
-            payload_len: ping.len() as u64,
-            payload_crc: crc32c::crc32c(&ping),
-        };
+        let header = Header::bytes(FrameKind::Send, 1, seq, 0, &ping);
         tx.send_frame(0, &header, &ping).await.expect("send");
         let why = Error::Timeout {
             what: format!("round {seq}"),

@@ -12,7 +12,6 @@
 //! coordinator stops once all have.
 
 use super::{simulate, SimConfig, SimReport, SimTransport};
-use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::membership::coordinator::{Coordinator, CoordinatorConfig};
 use crate::membership::service::{Answer, Service, Ticket};
@@ -20,7 +19,7 @@ use crate::membership::session::{MemberSession, SessionEvent};
 use crate::membership::wire::{Reply, Request};
 use crate::membership::{Epoch, MemberId};
 use crate::transport::{SeqSpace, Transport};
-use crate::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+use crate::wire::{FrameKind, Header};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -103,19 +102,7 @@ pub struct ElasticRun {
 /// A membership message's frame: point-to-point, numbered by the member's request count
 /// (the reply carries its request's number back).
 fn header(src: usize, seq: u64, payload: &[u8]) -> Header {
-    Header {
-        kind: FrameKind::Send,
-        minor: PROTOCOL_MINOR,
-        seq,
-        step: 0,
-        chunk: 0,
-        chunk_count: 1,
-        src: src as u32,
-        aux: 0,
-        spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
-        payload_len: payload.len() as u64,
-        payload_crc: crc32c::crc32c(payload),
-    }
+    Header::bytes(FrameKind::Send, src, seq, 0, payload)
 }
 
 fn now() -> Instant {

@@ -7,28 +7,15 @@
 //! connection; the simulator sends it as a frame).
 
 use super::{MsgKey, SeqSpace, Transport};
-use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::rendezvous::{Entry, Gathering, Heard, Table};
-use crate::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+use crate::wire::{FrameKind, Header};
 use std::time::{Duration, Instant};
 
 /// The header of a control frame (Hello, Table, Goodbye, Progress) from `rank` of a world of
 /// `world` (carried in `aux`: a rank started with another world size is refused).
 pub fn control_header(rank: usize, world: usize, kind: FrameKind, payload: &[u8]) -> Header {
-    Header {
-        kind,
-        minor: PROTOCOL_MINOR,
-        seq: 0,
-        step: 0,
-        chunk: 0,
-        chunk_count: 1,
-        src: rank as u32,
-        aux: world as u32,
-        spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
-        payload_len: payload.len() as u64,
-        payload_crc: crc32c::crc32c(payload),
-    }
+    Header::bytes(kind, rank, 0, world as u32, payload)
 }
 
 /// The Hello of `rank` in a world of `world`: its entry as payload.

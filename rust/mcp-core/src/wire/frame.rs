@@ -133,6 +133,25 @@ pub struct Header {
 }
 
 impl Header {
+    /// The header of a one-chunk frame whose payload is plain bytes (a control message, an
+    /// abort, a membership message): `kind` from `src`, numbered `seq`, with `aux`, its
+    /// length and checksum those of `payload`.
+    pub fn bytes(kind: FrameKind, src: usize, seq: u64, aux: u32, payload: &[u8]) -> Header {
+        Header {
+            kind,
+            minor: super::PROTOCOL_MINOR,
+            seq,
+            step: 0,
+            chunk: 0,
+            chunk_count: 1,
+            src: src as u32,
+            aux,
+            spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
+            payload_len: payload.len() as u64,
+            payload_crc: crc32c::crc32c(payload),
+        }
+    }
+
     /// Bytes this header takes on the wire.
     pub fn encoded_len(&self) -> usize {
         HEADER_FIXED + 8 * self.spec.shape.len()
