@@ -25,6 +25,7 @@ import mcp_fast as mcp
 import ps_workers
 from _launch import free_port
 from mcp_fast import ps
+from mcp_fast.guards import GradientGuard
 
 SECRET = "ps-test-secret"
 
@@ -368,12 +369,18 @@ def test_errors_are_typed(monkeypatch: pytest.MonkeyPatch) -> None:
             ps.Worker([a], 0, secret="another secret", timeout=3)
         with ps.Worker([a], 0, secret=SECRET, timeout=5) as w:
             w.init({"x": np.zeros(10, np.float32)})
-            with pytest.raises(KeyError):
+            with pytest.raises(KeyError, match='"nope" was registered with init'):
                 w.push({"nope": np.zeros(10, np.float32)})
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="11 float32 elements, but it was registered"):
                 w.push({"x": np.zeros(11, np.float32)})
-            with pytest.raises(TypeError):
+            with pytest.raises(TypeError, match="holds float32 tensors, got float64"):
                 w.push({"x": np.zeros(10, np.float64)})
+            with pytest.raises(TypeError, match="float32"):
+                w.step({"x": np.zeros(10, np.int32)})
+            with pytest.raises(KeyError):
+                w.step(into={"y": np.zeros(10, np.float32)})
+            with pytest.raises(TypeError, match="float32"):
+                w.push({"x": np.zeros(10, np.float16)}, guard=GradientGuard(1.0))
             with pytest.raises(ValueError, match="NaN"):
                 w.push({"x": np.full(10, np.nan, np.float32)})
             with pytest.raises(ValueError):

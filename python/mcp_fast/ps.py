@@ -63,7 +63,6 @@ import secrets as _secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,13 +98,6 @@ def _secret_bytes(secret: str | bytes | None) -> bytes:
 
 def _chaos(chaos: Any) -> str | None:
     return Settings.resolve(chaos=chaos).chaos
-
-
-def _f32(x: Any, name: str) -> Buffer:
-    b = view(x, name=name)
-    if b.dtype != "float32":
-        raise TypeError(f"{name}: the parameter server holds float32 tensors, got {b.dtype}")
-    return b
 
 
 def params_of(model: Any) -> dict[str, Any]:
@@ -303,12 +295,6 @@ class Server:
         self.close()
 
 
-@dataclass(frozen=True)
-class _Spec:
-    shape: tuple[int, ...]
-    numel: int
-
-
 class Worker:
     """A worker's connection to the parameter servers (thread-safe: many threads may push
     and pull at once; one thread should call :meth:`step`).
@@ -349,7 +335,7 @@ class Worker:
             raise ValueError(f'worker_id must be an int >= 0 or "vacant", got {worker_id!r}')
         self.codec = codec
         self.block = block
-        self._specs: dict[str, _Spec] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
         self.last_min_clock: int | None = None
         """The slowest live clock the servers reported at the last :meth:`step`."""
@@ -390,25 +376,16 @@ class Worker:
     def init(self, params: Mapping[str, Any]) -> None:
         """Registers the tensors (every worker must give the same names and shapes) and
         creates them on the servers unless they exist (the first worker's values win)."""
-        bufs = {k: _f32(v, f"params[{k!r}]") for k, v in params.items()}
+        bufs = self._views(params, "params")
         with self._lock:
-            self._specs = {k: _Spec(b.shape, b.numel) for k, b in bufs.items()}
-            self.core.set_tensors([(k, b.numel) for k, b in bufs.items()])
-        self.core.init(list(bufs.items()))
+            self._shapes = {k: b.shape for k, b in bufs}
+            self.core.set_tensors([(k, b.numel) for k, b in bufs])
+        self.core.init(bufs)
 
-    def _check(self, items: Mapping[str, Any], what: str) -> list[Buffer]:
-        out = []
-        for k, v in items.items():
-            spec = self._specs.get(k)
-            if spec is None:
-                raise KeyError(f"{what}: no tensor {k!r} was registered with init()")
-            b = _f32(v, f"{what}[{k!r}]")
-            if b.numel != spec.numel:
-                raise ValueError(
-                    f"{what}[{k!r}]: shape {b.shape}, but it was registered as {spec.shape}"
-                )
-            out.append(b)
-        return out
+    @staticmethod
+    def _views(items: Mapping[str, Any], what: str) -> list[tuple[str, Buffer]]:
+        """The tensors as the core takes them; it checks them against the registered ones."""
+        return [(k, view(v, name=f"{what}[{k!r}]")) for k, v in items.items()]
 
     def _guarded(self, grads: Mapping[str, Any], guard: GradientGuard | None) -> bool:
         """Judges the gradients with ``guard`` (clipping them in place above its
@@ -417,7 +394,7 @@ class Worker:
             return True
         if not isinstance(guard, GradientGuard):
             raise TypeError(f"guard must be a GradientGuard, got {type(guard).__name__}")
-        self._check(grads, "grads")  # names a bad tensor before judging
+        self.core.check(self._views(grads, "grads"), "push")  # before clipping them
         r = guard.check(list(grads.values()))
         if not r.apply_update:
             self.skipped_pushes += 1
@@ -440,9 +417,8 @@ class Worker:
         (the verdict is in ``guard.last``)."""
         if not self._guarded(grads, guard):
             return False
-        bufs = self._check(grads, "grads")
         self.core.push(
-            list(zip(grads, bufs, strict=True)),
+            self._views(grads, "grads"),
             codec=codec or self.codec,
             block=self.block,
         )
@@ -452,9 +428,8 @@ class Worker:
         """The current parameters: into the given tensors in place (any subset), or into new
         float32 numpy arrays of every tensor."""
         if into is None:
-            into = {k: np.empty(s.shape, np.float32) for k, s in self._specs.items()}
-        bufs = self._check(into, "into")
-        self.core.pull(list(zip(into, bufs, strict=True)))
+            into = {k: np.empty(shape, np.float32) for k, shape in self._shapes.items()}
+        self.core.pull(self._views(into, "into"))
         return dict(into)
 
     def step(
@@ -476,11 +451,9 @@ class Worker:
         if grads is None and into is None:
             clock, low = self.core.advance()
         else:
-            gb = self._check(grads or {}, "grads")
-            ib = self._check(into or {}, "into")
             clock, low = self.core.step(
-                list(zip(grads or {}, gb, strict=True)),
-                list(zip(into or {}, ib, strict=True)),
+                self._views(grads or {}, "grads"),
+                self._views(into or {}, "into"),
                 codec=codec or self.codec,
                 block=self.block,
             )

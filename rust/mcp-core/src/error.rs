@@ -58,6 +58,12 @@ pub enum Error {
     /// A caller passed something the operation cannot work with.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A caller passed a tensor of a dtype the operation does not take.
+    #[error("{0}")]
+    WrongDType(String),
+    /// A caller named something (a tensor, a key) that was never registered.
+    #[error("{0}")]
+    UnknownName(String),
     /// A peer sent bytes that are not valid MCP (bad header, checksum failure, wrong length).
     #[error("protocol error: {0}")]
     Protocol(String),

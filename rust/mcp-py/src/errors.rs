@@ -2,7 +2,7 @@
 //! bad arguments), so that Python code can catch what went wrong by type.
 
 use mcp_core::Error;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -41,6 +41,8 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Authentication { .. } => exception(py, "AuthenticationError", msg, None),
         Error::VersionMismatch { .. } => exception(py, "VersionMismatchError", msg, None),
         Error::InvalidArgument(m) => PyValueError::new_err(m),
+        Error::WrongDType(m) => PyTypeError::new_err(m),
+        Error::UnknownName(m) => PyKeyError::new_err(m),
         Error::Protocol(_) | Error::Damaged(_) => exception(py, "ProtocolError", msg, None),
         Error::Closed(_) => exception(py, "GroupClosedError", msg, None),
         Error::Superseded(_) => exception(py, "SupersededError", msg, None),

@@ -1,7 +1,6 @@
 //! The parameter server's Python face: `PsServer` and `PsWorker`. Tensors arrive as
-//! (name, address, length) triples that the Python layer took from float32 numpy arrays or
-//! torch tensors after checking them, and holds while the call runs; the GIL is released
-//! for the whole operation.
+//! (name, buffer) pairs, checked by the core against the registered tensors and exported
+//! while the call runs; the GIL is released for the whole operation.
 
 use crate::errors::to_py;
 use crate::runtime::runtime;
@@ -11,8 +10,8 @@ use mcp_core::ps::store::{Piece, PieceId};
 use mcp_core::ps::{self, Aggregate, ClientConfig, Optimizer, ServerConfig};
 use mcp_core::transport::quic::chaos::ChaosConfig;
 use mcp_core::wire::Codec;
-use mcp_core::{DType, RawBuf};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use mcp_core::RawBuf;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use std::collections::HashMap;
@@ -53,22 +52,22 @@ fn chaos(spec: Option<&str>) -> PyResult<Option<ChaosConfig>> {
 /// Named buffers as the client takes them.
 type Named = Vec<(String, RawBuf)>;
 
-/// Named tensors (float32, as the servers hold them), exported for the duration of a call:
-/// keep the returned args alive until the call that uses the buffers has returned.
+/// Named tensors, checked by the core against the registered ones (`what` names the
+/// argument) and exported for the duration of a call: keep the returned args alive until
+/// the call that uses the buffers has returned.
 fn bufs(
+    client: &ps::PsClient,
     items: Vec<(String, Bound<'_, PyAny>)>,
     access: Access,
+    what: &str,
 ) -> PyResult<(Vec<TensorArg>, Named)> {
     let mut args = Vec::with_capacity(items.len());
     let mut raw = Vec::with_capacity(items.len());
     for (k, obj) in items {
         let a = TensorArg::extract(&obj, access)?;
-        if a.dtype != DType::F32 {
-            return Err(PyTypeError::new_err(format!(
-                "{k}: the parameter server holds float32 tensors, got {}",
-                a.dtype
-            )));
-        }
+        client
+            .check(&k, a.dtype, a.len(), what)
+            .map_err(|e| to_py(obj.py(), e))?;
         raw.push((k, a.raw()));
         args.push(a);
     }
@@ -383,10 +382,16 @@ impl PsWorker {
 
     /// Creates the tensors on their servers unless they exist.
     fn init(&self, py: Python<'_>, items: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<()> {
-        let (_held, items) = bufs(items, Access::Read)?;
+        let (_held, items) = bufs(&self.inner, items, Access::Read, "init")?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         py.detach(|| rt.block_on(c.init_all(items)))
             .map_err(|e| to_py(py, e))
+    }
+
+    /// Checks tensor arguments of `what` against the registered tensors without using
+    /// them (names, dtypes, sizes; the errors of a push or pull with them).
+    fn check(&self, items: Vec<(String, Bound<'_, PyAny>)>, what: &str) -> PyResult<()> {
+        bufs(&self.inner, items, Access::Read, what).map(|_| ())
     }
 
     /// Pushes gradients for the current clock.
@@ -399,7 +404,7 @@ impl PsWorker {
         block: u32,
     ) -> PyResult<()> {
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let (_held, items) = bufs(items, Access::Read)?;
+        let (_held, items) = bufs(&self.inner, items, Access::Read, "push")?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         py.detach(|| rt.block_on(c.push_all(items, codec)))
             .map_err(|e| to_py(py, e))
@@ -407,7 +412,7 @@ impl PsWorker {
 
     /// Pulls parameters into the buffers; returns the oldest applied clock among them.
     fn pull(&self, py: Python<'_>, items: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<u64> {
-        let (_held, items) = bufs(items, Access::Write)?;
+        let (_held, items) = bufs(&self.inner, items, Access::Write, "pull into")?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         py.detach(|| rt.block_on(c.pull_all(items)))
             .map_err(|e| to_py(py, e))
@@ -437,8 +442,8 @@ impl PsWorker {
         staleness: Option<u64>,
     ) -> PyResult<(u64, Option<u64>)> {
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-        let (_held_grads, grads) = bufs(grads, Access::Read)?;
-        let (_held_into, into) = bufs(into, Access::Write)?;
+        let (_held_grads, grads) = bufs(&self.inner, grads, Access::Read, "push")?;
+        let (_held_into, into) = bufs(&self.inner, into, Access::Write, "pull into")?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
         let r = py
             .detach(|| rt.block_on(c.step_all(grads, into, codec, staleness)))

@@ -310,6 +310,12 @@ impl PsClient {
         Ok(m)
     }
 
+    /// Checks one tensor argument of `what` ("push", "pull into", ...) against the
+    /// registered tensors: `key` was registered, and `nbytes` of `dtype` hold it whole.
+    pub fn check(&self, key: &str, dtype: DType, nbytes: usize, what: &str) -> Result<()> {
+        check_in(&*self.shard_map()?, key, dtype, nbytes, what)
+    }
+
     fn shard_map(&self) -> Result<Arc<ShardMap>> {
         self.map
             .read()
@@ -716,15 +722,8 @@ impl PsClient {
         codec: Codec,
     ) -> Result<()> {
         let map = self.shard_map()?;
-        let numel = map
-            .numel(key)
-            .ok_or_else(|| Error::InvalidArgument(format!("no tensor named {key:?} registered")))?;
-        if src.len() as u64 != numel * 4 {
-            return Err(Error::SpecMismatch(format!(
-                "{key:?} was registered with {numel} float32 elements, got {} bytes",
-                src.len()
-            )));
-        }
+        let what = if init { "init" } else { "push" };
+        check_in(&map, key, DType::F32, src.len(), what)?;
         let deadline = self.deadline();
         let clock = self.clock();
         let mut tasks = Vec::new();
@@ -767,15 +766,7 @@ impl PsClient {
     /// pieces' servers.
     pub async fn pull(self: &Arc<Self>, key: &str, dst: RawBuf) -> Result<u64> {
         let map = self.shard_map()?;
-        let numel = map
-            .numel(key)
-            .ok_or_else(|| Error::InvalidArgument(format!("no tensor named {key:?} registered")))?;
-        if dst.len() as u64 != numel * 4 {
-            return Err(Error::SpecMismatch(format!(
-                "{key:?} was registered with {numel} float32 elements, got a {}-byte destination",
-                dst.len()
-            )));
-        }
+        check_in(&map, key, DType::F32, dst.len(), "pull into")?;
         let deadline = self.deadline();
         let mut tasks = Vec::new();
         for p in map.pieces(key)? {
@@ -909,16 +900,7 @@ impl PsClient {
         let mut pulls: Vec<Vec<(String, u64, u64)>> = vec![Vec::new(); n];
         let mut parts: Vec<Vec<RawBuf>> = vec![Vec::new(); n];
         let check = |key: &str, buf: &RawBuf, what: &str| -> Result<()> {
-            let numel = map.numel(key).ok_or_else(|| {
-                Error::InvalidArgument(format!("no tensor named {key:?} registered"))
-            })?;
-            if buf.len() as u64 != numel * 4 {
-                return Err(Error::SpecMismatch(format!(
-                    "{key:?} was registered with {numel} float32 elements, got {} bytes to {what}",
-                    buf.len()
-                )));
-            }
-            Ok(())
+            check_in(&map, key, DType::F32, buf.len(), what)
         };
         for (key, buf) in &grads {
             check(key, buf, "push")?;
@@ -1076,4 +1058,25 @@ async fn join<T>(tasks: Vec<tokio::task::JoinHandle<Result<T>>>) -> Result<Vec<T
         Some(e) => Err(e),
         None => Ok(out),
     }
+}
+
+/// The servers hold float32 tensors of the sizes registered with [`PsClient::set_tensors`].
+fn check_in(map: &ShardMap, key: &str, dtype: DType, nbytes: usize, what: &str) -> Result<()> {
+    let numel = map.numel(key).ok_or_else(|| {
+        Error::UnknownName(format!(
+            "{what}: no tensor {key:?} was registered with init()"
+        ))
+    })?;
+    if dtype != DType::F32 {
+        return Err(Error::WrongDType(format!(
+            "{what}[{key:?}]: the parameter server holds float32 tensors, got {dtype}"
+        )));
+    }
+    if nbytes as u64 != numel * 4 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}[{key:?}]: {} float32 elements, but it was registered with {numel}",
+            nbytes / 4
+        )));
+    }
+    Ok(())
 }

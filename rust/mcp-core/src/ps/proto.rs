@@ -167,7 +167,9 @@ impl ErrorCode {
     /// The code of a core error.
     pub fn of(e: &Error) -> ErrorCode {
         match e {
-            Error::InvalidArgument(_) => ErrorCode::InvalidArgument,
+            Error::InvalidArgument(_) | Error::WrongDType(_) | Error::UnknownName(_) => {
+                ErrorCode::InvalidArgument
+            }
             Error::SpecMismatch(_) => ErrorCode::SpecMismatch,
             Error::Timeout { .. } => ErrorCode::Timeout,
             Error::Protocol(_) => ErrorCode::Protocol,
