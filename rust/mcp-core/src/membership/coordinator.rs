@@ -13,8 +13,13 @@
 
 use super::{Epoch, Member, MemberId, Step, NO_STATE};
 use crate::error::{Error, Result};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
+
+/// Epochs before the current one that the coordinator keeps to tell members of a new one
+/// as a change ([`super::change`]): a member is at most a few epochs behind, or it was
+/// expelled and holds none.
+pub const RECENT_EPOCHS: usize = 4;
 
 /// The coordinator's settings.
 #[derive(Debug, Clone, Copy)]
@@ -84,9 +89,9 @@ pub enum Master {
 
 /// A member's answer to "is my epoch ready?".
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Readiness {
+pub enum Readiness<'a> {
     /// The epoch it waits for, with it as a member.
-    Formed(Epoch),
+    Formed(&'a Epoch),
     /// Still forming.
     Waiting,
     /// The coordinator has no report from it (it was declared dead while waiting): report
@@ -116,6 +121,9 @@ pub struct Coordinator {
     incarnation: u64,
     spec: Option<String>,
     current: Option<Epoch>,
+    /// The last [`RECENT_EPOCHS`] epochs before the current one, oldest first: a member
+    /// that holds one is told the next as the change from it.
+    recent: VecDeque<Epoch>,
     known: HashMap<MemberId, Known>,
     /// Members of the current epoch that died, left or were expelled: not waited for.
     gone: HashSet<MemberId>,
@@ -147,6 +155,7 @@ impl Coordinator {
             incarnation,
             spec: None,
             current: None,
+            recent: VecDeque::new(),
             known: HashMap::new(),
             gone: HashSet::new(),
             changing: None,
@@ -250,8 +259,21 @@ impl Coordinator {
             .enumerate()
             .map(|(r, m)| (m.id, r))
             .collect();
-        self.current = Some(epoch);
+        if let Some(old) = self.current.replace(epoch) {
+            if self.recent.len() == RECENT_EPOCHS {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(old);
+        }
         self.revision += 1;
+    }
+
+    /// Epoch `number` of `incarnation`, if it is the current one or one of the few before.
+    pub fn epoch(&self, number: u64, incarnation: u64) -> Option<&Epoch> {
+        self.current
+            .iter()
+            .chain(self.recent.iter().rev())
+            .find(|e| e.number == number && e.incarnation == incarnation)
     }
 
     /// A member is no longer known (left, died, silent): its waits are answered anew.
@@ -330,9 +352,9 @@ impl Coordinator {
     }
 
     /// Whether the epoch `id` waits for (newer than `seen`) has formed.
-    pub fn readiness(&self, id: MemberId, seen: u64) -> Readiness {
+    pub fn readiness(&self, id: MemberId, seen: u64) -> Readiness<'_> {
         match &self.current {
-            Some(c) if c.number > seen && self.is_member(id) => Readiness::Formed(c.clone()),
+            Some(c) if c.number > seen && self.is_member(id) => Readiness::Formed(c),
             _ if self.known.get(&id).is_some_and(|k| k.report.is_some()) => Readiness::Waiting,
             _ => Readiness::Unknown,
         }

@@ -13,6 +13,8 @@
 //! - [`coordinator`]: the coordinator's state machine, sans IO (inputs and `now` in, the
 //!   announcements out, timers as data).
 //! - [`wire`]: the messages between members and the coordinator.
+//! - [`change`]: an epoch told as its change from one the member holds, so that telling
+//!   every member of a new epoch costs the coordinator bytes linear in the job's size.
 //! - [`service`]: the coordinator's answers to those messages, sans IO: long polls held as
 //!   data until the coordinator can answer or their wait is over.
 //! - [`server`]: the coordinator's QUIC endpoint (the job's mutual TLS), a driver of the
@@ -21,6 +23,7 @@
 //!   what the answers mean for its epoch.
 //! - [`client`]: the session's QUIC driver, and waiting for an epoch.
 
+pub mod change;
 pub mod client;
 pub mod coordinator;
 pub mod server;

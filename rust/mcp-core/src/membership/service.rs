@@ -8,6 +8,7 @@
 //! The QUIC server ([`super::server`]) and the simulator drive the same code: one stream per
 //! request there, one frame each way here.
 
+use super::change::EpochChange;
 use super::coordinator::{Coordinator, Master, Readiness};
 use super::wire::{Reply, Request};
 use super::MemberId;
@@ -35,8 +36,13 @@ pub enum Answer {
 /// What a held request waits for.
 #[derive(Debug, Clone, Copy)]
 enum Poll {
-    /// The epoch after `seen`, with `id` in it.
-    Epoch { id: MemberId, seen: u64 },
+    /// The epoch after `seen`, with `id` in it; the member holds epoch `holds` (number,
+    /// incarnation).
+    Epoch {
+        id: MemberId,
+        seen: u64,
+        holds: Option<(u64, u64)>,
+    },
     /// Rank 0's address of `epoch`.
     Master { epoch: u64 },
     /// The end of `epoch`, which `id` runs in.
@@ -101,9 +107,10 @@ impl Service {
                 seen,
                 step,
                 wait_ms,
+                holds,
             } => {
                 c.report(now, id, seen, step);
-                (Poll::Epoch { id, seen }, wait_ms)
+                (Poll::Epoch { id, seen, holds }, wait_ms)
             }
             Request::PublishMaster { id, epoch, addr } => {
                 let ok = c.publish_master(id, epoch, addr);
@@ -129,8 +136,13 @@ impl Service {
     fn ready(&self, poll: Poll) -> Option<Reply> {
         let c = &self.coordinator;
         match poll {
-            Poll::Epoch { id, seen } => match c.readiness(id, seen) {
-                Readiness::Formed(e) => Some(Reply::Formed(e)),
+            Poll::Epoch { id, seen, holds } => match c.readiness(id, seen) {
+                Readiness::Formed(e) => Some(
+                    holds
+                        .and_then(|(number, incarnation)| c.epoch(number, incarnation))
+                        .and_then(|base| EpochChange::between(base, e))
+                        .map_or_else(|| Reply::Formed(e.clone()), Reply::Changed),
+                ),
                 Readiness::Waiting => None,
                 Readiness::Unknown => Some(Reply::Unknown),
             },
@@ -242,6 +254,7 @@ mod tests {
             seen,
             step: -1,
             wait_ms,
+            holds: None,
         }
     }
 
@@ -310,6 +323,46 @@ mod tests {
             "{:?}",
             now - t0
         );
+        // The next epoch: member 1, which holds the first, is told the change from it;
+        // newcomer 3, which holds none, the whole epoch; both are the same epoch.
+        let holds = Request::Report {
+            id: 1,
+            seen: e,
+            step: 0,
+            wait_ms: 5000,
+            holds: Some((e, 7)),
+        };
+        assert_eq!(
+            s.on_request(now, 13, holds),
+            Answer::Held,
+            "too few members"
+        );
+        register(&mut s, now, 3);
+        let mut answers = Vec::new();
+        match s.on_request(now, 14, report(3, 0, 5000)) {
+            Answer::Reply(r) => answers.push((14, r)),
+            other => assert_eq!(other, Answer::Held),
+        }
+        let until = now + Duration::from_secs(2);
+        while answers.len() < 2 && now < until {
+            now += Duration::from_millis(50);
+            for id in [1, 3] {
+                s.on_request(now, 0, Request::Heartbeat { id, step: 0 });
+            }
+            s.handle_timeout(now);
+            answers.extend(s.poll_answers(now));
+        }
+        answers.sort_by_key(|a| a.0);
+        let [(13, Reply::Changed(change)), (14, Reply::Formed(next))] = &answers[..] else {
+            panic!("{answers:?}");
+        };
+        assert_eq!(
+            (change.left.as_slice(), change.came.as_slice()),
+            (&[1][..], &[3][..])
+        );
+        assert_eq!(&change.apply(&epochs[0]).expect("applies"), next);
+        assert_eq!(s.coordinator().epoch(e, 7), Some(&epochs[0]));
+        assert_eq!(s.coordinator().epoch(e, 8), None);
     }
 
     /// A long poll that nothing answers ends after its wait (at most MAX_WAIT) with the

@@ -208,13 +208,15 @@ impl MemberSession {
     }
 
     /// The report of a member that waits for an epoch newer than `seen` (with the steps
-    /// it committed), which the coordinator may hold for up to `wait`.
+    /// it committed), which the coordinator may hold for up to `wait`. It names the epoch
+    /// the member holds, so that the answer may be the change from it.
     pub fn report(&self, seen: u64, wait: Duration) -> Request {
         Request::Report {
             id: self.id,
             seen,
             step: self.step,
             wait_ms: wait.as_millis().min(u128::from(u32::MAX)) as u32,
+            holds: self.view.as_ref().map(|e| (e.number, e.incarnation)),
         }
     }
 
@@ -225,6 +227,17 @@ impl MemberSession {
     pub fn on_report_answer(&mut self, reply: Reply) -> Result<Option<Epoch>> {
         match reply {
             Reply::Formed(e) => {
+                self.on_formed(e.clone());
+                Ok(Some(e))
+            }
+            Reply::Changed(change) => {
+                let Some(base) = &self.view else {
+                    return Err(Error::Protocol(format!(
+                        "the coordinator sent epoch {} as a change, and this member holds none",
+                        change.number
+                    )));
+                };
+                let e = change.apply(base)?;
                 self.on_formed(e.clone());
                 Ok(Some(e))
             }
@@ -255,6 +268,7 @@ impl MemberSession {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::membership::change::EpochChange;
     use crate::membership::Member;
 
     const BEAT: Duration = Duration::from_millis(100);
@@ -397,8 +411,29 @@ mod tests {
             seen: 3,
             step: 12,
             wait_ms: 1500,
+            holds: None,
         };
         assert_eq!(req, want);
+        let next = Epoch {
+            number: 5,
+            incarnation: 9,
+            members: vec![Member { id: 7, step: 12 }, Member { id: 8, step: -1 }],
+        };
+        let change = EpochChange {
+            base: 4,
+            number: 5,
+            incarnation: 9,
+            left: vec![],
+            came: vec![8],
+            steps: vec![(12, 1), (-1, 1)],
+        };
+        assert!(
+            matches!(
+                s.on_report_answer(Reply::Changed(change.clone())),
+                Err(Error::Protocol(_))
+            ),
+            "a change and no epoch to apply it to"
+        );
         assert!(matches!(s.on_report_answer(Reply::Waiting), Ok(None)));
         assert!(matches!(s.on_report_answer(Reply::Unknown), Ok(None)));
         let e = Epoch {
@@ -411,6 +446,24 @@ mod tests {
             Some(Some(e.clone()))
         );
         assert!(matches!(s.register(), Request::Register { view: Some(v), .. } if v == e));
+        // Now it holds epoch 4: the next may come as the change from it.
+        assert!(matches!(
+            s.report(4, Duration::from_millis(1500)),
+            Request::Report {
+                holds: Some((4, 9)),
+                ..
+            }
+        ));
+        assert_eq!(
+            s.on_report_answer(Reply::Changed(change.clone())).ok(),
+            Some(Some(next.clone()))
+        );
+        assert_eq!(s.view.as_ref(), Some(&next));
+        // A change from an epoch it does not hold is a protocol error.
+        assert!(matches!(
+            s.on_report_answer(Reply::Changed(change)),
+            Err(Error::Protocol(_))
+        ));
         assert!(matches!(
             s.on_report_answer(Reply::Refused("other spec".into())),
             Err(Error::SpecMismatch(_))

@@ -1,6 +1,7 @@
 //! The coordinator's state machine under a simulated clock, and the wire format.
 #![allow(clippy::unwrap_used)]
 
+use super::change::EpochChange;
 use super::coordinator::{Beat, Coordinator, CoordinatorConfig, Master, Readiness};
 use super::wire::{Reply, Request};
 use super::{Epoch, Member, MemberId, NO_STATE};
@@ -26,7 +27,7 @@ fn ms(t0: Instant, n: u64) -> Instant {
 
 fn formed(c: &Coordinator, id: MemberId, seen: u64) -> Epoch {
     match c.readiness(id, seen) {
-        Readiness::Formed(e) => e,
+        Readiness::Formed(e) => e.clone(),
         other => panic!("member {id} not in a new epoch past {seen}: {other:?}"),
     }
 }
@@ -481,6 +482,14 @@ fn messages_round_trip_and_damaged_ones_are_refused() {
             seen: 2,
             step: 8,
             wait_ms: 100,
+            holds: None,
+        },
+        Request::Report {
+            id: 4,
+            seen: 2,
+            step: 8,
+            wait_ms: 100,
+            holds: Some((2, 0xfeed)),
         },
         Request::PublishMaster {
             id: 1,
@@ -524,6 +533,22 @@ fn messages_round_trip_and_damaged_ones_are_refused() {
             member: true,
         }),
         Reply::Formed(e),
+        Reply::Changed(EpochChange {
+            base: 2,
+            number: 5,
+            incarnation: 9,
+            left: vec![0, 3],
+            came: vec![77, 78],
+            steps: vec![(4, 2), (NO_STATE, 2)],
+        }),
+        Reply::Changed(EpochChange {
+            base: 2,
+            number: 3,
+            incarnation: 9,
+            left: vec![],
+            came: vec![],
+            steps: vec![],
+        }),
         Reply::Waiting,
         Reply::Unknown,
         Reply::MasterAt("h:1".into()),
@@ -549,4 +574,22 @@ fn messages_round_trip_and_damaged_ones_are_refused() {
     let n = huge.len();
     huge[n - 4..].copy_from_slice(&crc.to_le_bytes());
     assert!(Reply::decode(&huge).is_err());
+    // Likewise a change's counts.
+    let change = Reply::Changed(EpochChange {
+        base: 1,
+        number: 2,
+        incarnation: 1,
+        left: vec![],
+        came: vec![],
+        steps: vec![],
+    })
+    .encode();
+    for at in [8 + 25, 8 + 29, 8 + 33] {
+        let mut huge = change.clone();
+        huge[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        let n = huge.len();
+        let crc = crc32c::crc32c(&huge[8..n - 4]);
+        huge[n - 4..].copy_from_slice(&crc.to_le_bytes());
+        assert!(matches!(Reply::decode(&huge), Err(Error::Protocol(_))));
+    }
 }

@@ -2,6 +2,7 @@
 //! bidirectional stream, each framed as `"MCPM"`, a u32 body length, the body and its CRC32C
 //! (all little-endian). Decoding checks every length against what is there.
 
+use super::change::EpochChange;
 use super::coordinator::Beat;
 use super::{Epoch, Member, MemberId, Step};
 use crate::error::{Error, Result};
@@ -40,6 +41,9 @@ pub enum Request {
         step: Step,
         /// How long the coordinator may hold the answer.
         wait_ms: u32,
+        /// The epoch whose members it holds (number, incarnation): the answer may be the
+        /// change from it.
+        holds: Option<(u64, u64)>,
     },
     /// Rank 0 of `epoch` listens at `addr`.
     PublishMaster {
@@ -85,6 +89,8 @@ pub enum Reply {
     Beat(Beat),
     /// The epoch the member waited for.
     Formed(Epoch),
+    /// The epoch the member waited for, as the change from the one it holds.
+    Changed(EpochChange),
     /// Not yet: ask again.
     Waiting,
     /// The coordinator lost the member's report: register and report again.
@@ -191,6 +197,39 @@ impl<'a> R<'a> {
             members,
         })
     }
+    /// A count of items of `size` bytes each that the rest of the message can hold.
+    fn count(&mut self, size: usize, what: &str) -> Result<usize> {
+        let n = self.u32(what)? as usize;
+        if n > self.0.len() / size {
+            return Err(short(what));
+        }
+        Ok(n)
+    }
+    fn change(&mut self) -> Result<EpochChange> {
+        let base = self.u64("epoch change")?;
+        let number = self.u64("epoch change")?;
+        let incarnation = self.u64("epoch change")?;
+        let n = self.count(4, "ranks that left")?;
+        let left = (0..n)
+            .map(|_| self.u32("ranks that left"))
+            .collect::<Result<_>>()?;
+        let n = self.count(8, "members that came")?;
+        let came = (0..n)
+            .map(|_| self.u64("members that came"))
+            .collect::<Result<_>>()?;
+        let n = self.count(12, "steps")?;
+        let steps = (0..n)
+            .map(|_| Ok((self.i64("steps")?, self.u32("steps")?)))
+            .collect::<Result<_>>()?;
+        Ok(EpochChange {
+            base,
+            number,
+            incarnation,
+            left,
+            came,
+            steps,
+        })
+    }
     fn end(&self) -> Result<()> {
         if self.0.is_empty() {
             Ok(())
@@ -264,12 +303,21 @@ impl Request {
                 seen,
                 step,
                 wait_ms,
+                holds,
             } => {
                 w.u8(3);
                 w.u64(*id);
                 w.u64(*seen);
                 w.i64(*step);
                 w.u32(*wait_ms);
+                match holds {
+                    Some((number, incarnation)) => {
+                        w.u8(1);
+                        w.u64(*number);
+                        w.u64(*incarnation);
+                    }
+                    None => w.u8(0),
+                }
             }
             Request::PublishMaster { id, epoch, addr } => {
                 w.u8(4);
@@ -317,6 +365,10 @@ impl Request {
                 seen: r.u64("epoch")?,
                 step: r.i64("step")?,
                 wait_ms: r.u32("wait")?,
+                holds: match r.u8("held epoch")? {
+                    0 => None,
+                    _ => Some((r.u64("held epoch")?, r.u64("held epoch")?)),
+                },
             },
             4 => Request::PublishMaster {
                 id: r.u64("id")?,
@@ -364,6 +416,25 @@ impl Reply {
                 w.u8(4);
                 w.epoch(e);
             }
+            Reply::Changed(c) => {
+                w.u8(10);
+                w.u64(c.base);
+                w.u64(c.number);
+                w.u64(c.incarnation);
+                w.u32(c.left.len() as u32);
+                for &r in &c.left {
+                    w.u32(r);
+                }
+                w.u32(c.came.len() as u32);
+                for &id in &c.came {
+                    w.u64(id);
+                }
+                w.u32(c.steps.len() as u32);
+                for &(step, n) in &c.steps {
+                    w.i64(step);
+                    w.u32(n);
+                }
+            }
             Reply::Waiting => w.u8(5),
             Reply::Unknown => w.u8(6),
             Reply::MasterAt(a) => {
@@ -398,6 +469,7 @@ impl Reply {
                 })
             }
             4 => Reply::Formed(r.epoch()?),
+            10 => Reply::Changed(r.change()?),
             5 => Reply::Waiting,
             6 => Reply::Unknown,
             7 => Reply::MasterAt(r.str("address")?),
