@@ -546,3 +546,52 @@ def test_elastic_diloco_drops_a_lost_member_and_heals_a_newcomer(tmp_path):
     taker = [c for c in results["new"]["changes"] if c["role"] == "taker"]
     assert taker and taker[0]["heal_bytes"] > 0 and taker[0]["step"] > 5, results["new"]["changes"]
     assert results["new"]["digests"][0][0] == taker[0]["step"] + 1
+
+
+def test_diloco_between_hosts_with_ddp_inside_each_equals_diloco_over_the_hosts():
+    """Two fake hosts x 2 ranks (MCP_HOST_ID), real processes and the torch backend: DDP
+    over ``host_group()`` every step, DiLoCo over the whole job every H steps. Each host's
+    ranks average their gradients, so a host is one DiLoCo member whose batch is its ranks'
+    batches together: the result must be that, computed here by hand. Between hosts the
+    outer all-reduce runs hierarchically: each rank sends about half the pseudo-gradient
+    across per outer step (the flat ring over 4 ranks: 1.5x on the ranks whose neighbour is
+    on the other host)."""
+    from _launch import run as run_procs
+    from torch_workers import hier_data, hier_model
+
+    hosts, steps, h = ["a", "a", "b", "b"], 12, 4
+    got = ok(run_procs("torch_workers.diloco_over_hosts", 4, hosts, steps, h, timeout=180))
+    assert [r["host_ranks"] for r in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    # By hand: per host, SGD on the mean loss over its ranks' batches; every H steps the
+    # outer Nesterov step (lr 0.7, momentum 0.9) on the hosts' average pseudo-gradient.
+    ref = [hier_model() for _ in range(2)]
+    theta = flat(ref[0].parameters())
+    buf = torch.zeros_like(theta)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in ref]
+    for step in range(steps):
+        for host, (m, opt) in enumerate(zip(ref, opts, strict=True)):
+            opt.zero_grad(set_to_none=True)
+            grads = []
+            for r in (2 * host, 2 * host + 1):
+                x, y = hier_data(r, step)
+                m.zero_grad(set_to_none=True)
+                nn.functional.mse_loss(m(x), y).backward()
+                grads.append([p.grad.clone() for p in m.parameters()])
+            for p, g0, g1 in zip(m.parameters(), *grads, strict=True):
+                p.grad = (g0 + g1) / 2
+            opt.step()
+        if (step + 1) % h == 0:
+            delta = torch.stack([theta - flat(m.parameters()) for m in ref]).mean(0)
+            buf = 0.9 * buf + delta
+            theta = theta - 0.7 * (delta + 0.9 * buf)
+            for m in ref:
+                torch.nn.utils.vector_to_parameters(theta.clone(), m.parameters())
+    params = [torch.from_numpy(r["params"]) for r in got]
+    for r in range(4):
+        assert torch.equal(params[r], params[0]), f"rank {r} differs"
+    torch.testing.assert_close(params[0], theta, rtol=0, atol=2e-5)
+    # Bytes across hosts: three outer all-reduces of B bytes, half of it from each rank.
+    b = theta.numel() * 4
+    for r in range(4):
+        assert 0.4 * b * 3 < got[r]["quic_bytes"] < 0.75 * b * 3, (r, got[r]["quic_bytes"], b)
+        assert got[r]["shm_bytes"] > 0.4 * b * 3, (r, got[r]["shm_bytes"])

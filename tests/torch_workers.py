@@ -415,3 +415,49 @@ def every_dtype(rank: int, world: int, backend: str) -> dict[str, Any]:
         out[name] = {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in res.items()}
     dist.destroy_process_group()
     return out
+
+
+def hier_model() -> nn.Module:
+    """Larger than the hierarchical all-reduce's 64 KiB threshold (16,897 float32)."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 1))
+
+
+def hier_data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * rank + step)
+    x = torch.randn(8, 64, generator=g)
+    return x, x[:, :1] * 2 - x[:, 1:2]
+
+
+def diloco_over_hosts(
+    rank: int, world: int, hosts: list[str], steps: int, h: int
+) -> dict[str, Any]:
+    """DDP inside each host (``host_group``), DiLoCo between hosts over the whole job."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mcp_fast.torch import DiLoCo, host_group
+
+    os.environ["MCP_HOST_ID"] = hosts[rank]
+    _init()
+    host = host_group()
+    model = hier_model()
+    ddp = DistributedDataParallel(model, process_group=host)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = dist.group.WORLD.mcp_group  # type: ignore[union-attr]
+    dl = DiLoCo(model, opt, g, sync_every=h)
+    quic0, shm0 = g.stats()["bytes_sent"], g.shm_stats()["bytes_sent"]
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = hier_data(rank, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        dl.step()
+    dl.finish()
+    out = {
+        "host_ranks": dist.get_process_group_ranks(host),
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "quic_bytes": g.stats()["bytes_sent"] - quic0,
+        "shm_bytes": g.shm_stats()["bytes_sent"] - shm0,
+    }
+    dist.destroy_process_group()
+    return out

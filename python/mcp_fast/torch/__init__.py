@@ -7,7 +7,8 @@ when it is imported) registers the backend, after which::
 
 runs every collective of torch.distributed, DistributedDataParallel included, over MCP.
 :class:`ElasticDDP` trains through members dying and joining (see :mod:`mcp_fast.elastic`);
-:class:`DiLoCo` and :class:`LocalSGD` sync every H steps (see :mod:`mcp_fast.torch.diloco`).
+:class:`DiLoCo` and :class:`LocalSGD` sync every H steps (see :mod:`mcp_fast.torch.diloco`);
+:func:`host_group` gives DDP a group per host for two-level training.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .backend import MCPProcessGroup, register
 from .diloco import DiLoCo, LocalSGD, PseudoGradientWarning
 from .elastic import ElasticDDP, state_spec
 from .elastic_diloco import ElasticDiLoCo
+from .hierarchy import host_group
 from .hooks import CompressionState, GuardedState, compression_hook, guarded_allreduce_hook
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "PseudoGradientWarning",
     "compression_hook",
     "guarded_allreduce_hook",
+    "host_group",
     "register",
     "state_spec",
 ]
