@@ -385,6 +385,9 @@ def train_elastic(a: argparse.Namespace, model: nn.Module, opt: torch.optim.Opti
         "digests": digests,
         "changes": [c.__dict__ for c in dl.changes],
         "wall_s": time.monotonic() - started,
+        # The last epoch's group: its hosts, and what went through shared memory inside them.
+        "hosts": dl.job.group.topology()["hosts"],
+        "shm_bytes": dl.job.group.shm_stats()["bytes_sent"],
     }
     dl.close()
     return result

@@ -495,6 +495,9 @@ def test_the_example_trains_two_members_and_writes_its_json(tmp_path):
 
 
 def test_elastic_diloco_drops_a_lost_member_and_heals_a_newcomer(tmp_path):
+    """Members on two fake hosts (MCP_HOST_ID), so that each epoch's group talks through
+    shared memory inside a host and runs the outer all-reduce hierarchically: 2 + 2 members,
+    one of host b killed between outer steps (2 + 1), a newcomer on host b (2 + 2)."""
     from _elastic import ElasticRun
 
     steps, h = 400, 10
@@ -502,7 +505,7 @@ def test_elastic_diloco_drops_a_lost_member_and_heals_a_newcomer(tmp_path):
     args += ["--layers", "1", "--batch", "8", "--context", "32", "--corpus-bytes", "200000"]
     args += ["--step-sleep", "0.03", "--quiet"]
 
-    def spawn(run: ElasticRun, name: str, *extra: str) -> None:
+    def spawn(run: ElasticRun, name: str, host: str, *extra: str) -> None:
         log = open(tmp_path / f"{name}.log", "w")
         assert run.coordinator is not None
         run.members[name] = subprocess.Popen(
@@ -516,7 +519,7 @@ def test_elastic_diloco_drops_a_lost_member_and_heals_a_newcomer(tmp_path):
                 str(tmp_path / f"{name}.json"),
                 *extra,
             ],
-            env=run.env,
+            env={**run.env, "MCP_HOST_ID": host},
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -524,15 +527,16 @@ def test_elastic_diloco_drops_a_lost_member_and_heals_a_newcomer(tmp_path):
         log.close()
 
     with ElasticRun(tmp_path, steps) as run:
-        spawn(run, "m0")
-        spawn(run, "m1")
-        spawn(run, "m2", "--kill-at", "55")  # exits half-way between outer steps 5 and 6
-        e = run.wait_epoch(3)
-        e = run.wait_epoch(2, after=e)
-        spawn(run, "new")
-        run.wait_epoch(3, after=e)
-        assert run.members["m2"].wait(timeout=60) == 3
-        results = run.finish(["m0", "m1", "new"])
+        spawn(run, "m0", "a")
+        spawn(run, "m1", "a")
+        spawn(run, "m2", "b")
+        spawn(run, "m3", "b", "--kill-at", "55")  # exits half-way between outer steps 5 and 6
+        e = run.wait_epoch(4)
+        e = run.wait_epoch(3, after=e)
+        spawn(run, "new", "b")
+        run.wait_epoch(4, after=e)
+        assert run.members["m3"].wait(timeout=60) == 3
+        results = run.finish(["m0", "m1", "m2", "new"])
     finals = {n: r["digest"] for n, r in results.items()}
     assert len(set(finals.values())) == 1, finals
     seen: dict[tuple[int, int], str] = {}
@@ -540,9 +544,13 @@ def test_elastic_diloco_drops_a_lost_member_and_heals_a_newcomer(tmp_path):
         assert r["inner_steps"] == steps and r["outer_steps"] == steps // h, (n, r)
         for outer, epoch, digest in r["digests"]:
             assert seen.setdefault((outer, epoch), digest) == digest, (n, outer, epoch)
-    # The survivors did outer step 6 without m2: some outer step ran in a 2-member epoch.
+    # The survivors did outer step 6 without m3: some outer step ran in a 3-member epoch.
     sizes = {c["epoch"]: c["world_size"] for c in results["m0"]["changes"]}
-    assert 2 in sizes.values(), results["m0"]["changes"]
+    assert 3 in sizes.values(), results["m0"]["changes"]
+    # The last epoch's group: two hosts of two, the outer steps partly through shared memory.
+    for n, r in results.items():
+        assert sorted(map(len, r["hosts"])) == [2, 2], (n, r["hosts"])
+        assert r["shm_bytes"] > 0, n
     taker = [c for c in results["new"]["changes"] if c["role"] == "taker"]
     assert taker and taker[0]["heal_bytes"] > 0 and taker[0]["step"] > 5, results["new"]["changes"]
     assert results["new"]["digests"][0][0] == taker[0]["step"] + 1
