@@ -26,12 +26,15 @@ def test_ci_as_root_runs_the_lossy_link_tests() -> None:
         assert _NETNS, "root in CI without ip, tc or nft: make test should have installed them"
 
 
-def _cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _cli(
+    module: str, *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", f"mcp_fast.cli.{module}", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
@@ -225,6 +228,19 @@ def test_chaos_drops_the_asked_fraction_of_loopback_datagrams(loss, low, high, h
     assert r.returncode == 0, r.stderr
     observed = float(r.stdout.split("LOSS")[1])
     assert low <= observed <= high, observed
+
+
+@pytest.mark.netns
+@netns
+def test_chaos_keeps_ranks_off_shared_memory_unless_asked() -> None:
+    """The ranks under one-namespace mcp-chaos share a host: shared memory would carry their
+    frames around the lossy link, so CMD gets MCP_SHM=0 unless the caller set MCP_SHM."""
+    show = [sys.executable, "-c", "import os; print('SHM', os.environ.get('MCP_SHM'))"]
+    env = {k: v for k, v in os.environ.items() if k != "MCP_SHM"}
+    r = _cli("chaos", "--loss", "0.1", "--", *show, env=env)
+    assert r.returncode == 0 and "SHM 0" in r.stdout, (r.stdout, r.stderr)
+    r = _cli("chaos", "--loss", "0.1", "--", *show, env={**env, "MCP_SHM": "1"})
+    assert r.returncode == 0 and "SHM 1" in r.stdout, (r.stdout, r.stderr)
 
 
 @pytest.mark.netns

@@ -17,8 +17,10 @@ CMD runs inside a fresh network namespace ``mcpchaos-<pid>`` whose only interfac
   ``100mbit``); ``--burst`` is its bucket size and ``--latency`` the longest a packet may wait
   in its queue before being dropped. ``--latency`` adds no delay of its own.
 
-The host's own ``lo`` and every other interface are untouched, and nothing in the namespace
-can reach beyond it. The namespace is deleted when CMD ends, when mcp-chaos is interrupted
+CMD's ranks all run on one host, where mcp_fast would connect them through shared memory
+and never cross the emulated link: mcp-chaos sets ``MCP_SHM=0`` for CMD unless ``MCP_SHM`` is
+already set. The host's own ``lo`` and every other interface are untouched, and nothing in the
+namespace can reach beyond it. The namespace is deleted when CMD ends, when mcp-chaos is interrupted
 (SIGINT, SIGTERM, SIGHUP are passed on to CMD, which runs in its own process group;
 a second signal kills it), or when setting it up fails; processes
 CMD left behind in it are killed.
@@ -294,6 +296,15 @@ def _teardown(ns: str) -> list[str]:
     return problems
 
 
+def _one_host_env() -> dict[str, str]:
+    """CMD's environment in the one-namespace mode: its ranks share one host, and would
+    reach each other through shared memory, never crossing the emulated loopback; so
+    ``MCP_SHM=0`` unless the caller chose (set ``MCP_SHM=1`` to keep shared memory)."""
+    env = dict(os.environ)
+    env.setdefault("MCP_SHM", "0")
+    return env
+
+
 def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
@@ -318,7 +329,9 @@ def _chaos(args: argparse.Namespace, cmd: list[str]) -> int:
             _setup(ns, args)
             try:
                 # Its own process group: a Ctrl-C reaches it once, forwarded by us.
-                child = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], process_group=0)
+                child = subprocess.Popen(
+                    ["ip", "netns", "exec", ns, *cmd], env=_one_host_env(), process_group=0
+                )
             except OSError as e:
                 raise ChaosError(f"could not start {cmd[0]}: {e}") from None
             try:
