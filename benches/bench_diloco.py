@@ -92,7 +92,7 @@ def table(rows: list[dict[str, Any]], ref_loss: float, ref_bytes: float) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--members", type=int, default=4)
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--sync-every", type=int, default=50)
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--ddp-time-limit", type=float, default=60.0)

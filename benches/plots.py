@@ -9,6 +9,7 @@ its ``meta``); a figure whose file is missing is skipped with a note. ``make plo
 - ``codecs.json``  (benches/compare_codecs.py): codec speed-ups over Gloo on a capped link
 - ``ddp.json``     (benches/bench_ddp.py):     DDP step times, loopback and lossy link
 - ``elastic.json`` (benches/bench_elastic.py): steps committed over time, with the kills
+- ``diloco.json``  (benches/bench_diloco.py):  training loss curves, DDP vs DiLoCo vs streaming
 """
 
 from __future__ import annotations
@@ -168,6 +169,34 @@ def plot_elastic(data: dict[str, Any], out: Path) -> None:
     _save(fig, out)
 
 
+def plot_diloco(data: dict[str, Any], out: Path) -> None:
+    """Rank 0's training loss (its own batch, every 10 steps, averaged over 100 steps) of
+    the loopback runs, with each run's held-out loss at the end in the legend."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors = iter(["#2ca02c", MCP, "#9467bd", "#ff7f0e"])
+    for r in data["runs"]:
+        if r.get("link") != "loopback" or "failed" in r or r.get("stopped_early"):
+            continue
+        steps = [s for s, _ in r["train_losses"]]
+        losses = [v for _, v in r["train_losses"]]
+        smooth = [
+            sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1])
+            for i in range(len(losses))
+        ]
+        label = f"{r['name']}: held-out {r['eval_loss']:.3f}, {r['bytes_sent'] / 1e6:,.0f} MB"
+        ax.plot(steps, smooth, color=next(colors), label=label, lw=1.2)
+    ax.set_ylim(top=3.0)  # the first hundred steps fall from 5; the gap is lower down
+    ax.set_xlabel("inner step (4 members; DDP: step)")
+    ax.set_ylabel("training loss (mean of the last 100 steps)")
+    ax.set_title(
+        textwrap.fill("DiLoCo H=50 and streaming F=4 against DDP every step, same tokens", 70),
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+    _caption(ax, data["meta"])
+    _save(fig, out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="docs/data")
@@ -180,6 +209,7 @@ def main() -> None:
         ("codecs", plot_codecs),
         ("ddp", plot_ddp),
         ("elastic", plot_elastic),
+        ("diloco", plot_diloco),
     ]:
         d = _load(data / f"{name}.json")
         if d is not None:

@@ -137,8 +137,11 @@ def test_a_node_lost_by_an_elastic_job_is_replaced_by_the_next_epoch_within_the_
     # A faster coordinator limit, a faster change.
     fast = _core.sim_membership_change(32, ranks_per_host=4, heartbeat_s=0.02, dead_after_s=0.06)
     assert 0.04 <= fast["change_s"] <= 0.061, fast
-    # The coordinator sends every survivor the whole epoch (plus the heartbeats' answers).
-    assert out["coordinator_bytes"] > 28 * 28 * 16
+    # The coordinator sends every member the first epoch whole (16 bytes per member), and the
+    # survivors the next as the change from it: 248 of 256 survivors would take 984 kB whole.
+    big = _core.sim_membership_change(256, ranks_per_host=8)
+    assert big["agreed"] is True and big["coordinator_bytes"] > 256 * 256 * 16, big
+    assert 248 * 16 < big["change_coordinator_bytes"] < 248 * 248 * 16 / 4, big
 
 
 @pytest.mark.parametrize(

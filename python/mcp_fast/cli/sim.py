@@ -210,33 +210,41 @@ def _meet(world: int, group: int, **kw: Any) -> dict[str, Any]:
     return out
 
 
-def _quadratic(
-    simulate: Any, world: int, group: int, max_ranks: int, key: str, bytes_key: str
+def _extrapolated(
+    simulate: Any,
+    world: int,
+    group: int,
+    max_ranks: int,
+    key: str,
+    bytes_key: str,
+    quadratic: bool = True,
 ) -> tuple[dict[str, Any], str]:
     """``simulate(world)`` whole up to ``max_ranks``; beyond, extrapolated from two smaller
-    worlds by T(W) = a + b·W(W-G) for ``key`` and B(W) ∝ W(W-G) for ``bytes_key``: one
-    process (rank 0, the coordinator) sends a message of W lines to each of the W - G
-    ranks on other hosts."""
+    worlds by T(W) = a + b·x(W) for ``key`` and B(W) ∝ x(W) for ``bytes_key``, where x(W) is
+    W(W-G) when one process (rank 0) sends a message of W lines to each of the W - G ranks
+    on other hosts, and W when what it sends each grows no more with W."""
     if world <= max_ranks:
         return simulate(world), ""
     w1 = max(2 * group, max_ranks // group * group)
     w2 = max(group, w1 // 2 // group * group)
     r1, r2 = simulate(w1), simulate(w2)
-    x1, x2 = w1 * (w1 - group), w2 * (w2 - group)
-    b = (r1[key] - r2[key]) / (x1 - x2)
-    a = r1[key] - b * x1
-    x = world * (world - group)
+
+    def x(w: int) -> float:
+        return float(w * (w - group)) if quadratic else float(w)
+
+    b = (r1[key] - r2[key]) / (x(w1) - x(w2))
+    a = r1[key] - b * x(w1)
     est = dict(r1)
-    est[key] = a + b * x
-    est[bytes_key] = r1[bytes_key] * x / x1
+    est[key] = a + b * x(world)
+    est[bytes_key] = r1[bytes_key] * x(world) / x(w1)
     return est, f"~ extrapolated from {w1} and {w2} ranks"
 
 
 def _rendezvous(world: int, group: int, max_ranks: int, **kw: Any) -> tuple[dict[str, Any], str]:
     """The rendezvous (every Hello to rank 0, the table back to each rank), simulated whole up
     to ``max_ranks`` (8,000 ranks take a fraction of a second) and beyond it extrapolated
-    (:func:`_quadratic`)."""
-    est, note = _quadratic(
+    (:func:`_extrapolated`)."""
+    est, note = _extrapolated(
         lambda w: _meet(w, group, **kw), world, group, max_ranks, "elapsed_s", "rank0_bytes"
     )
     if note:
@@ -250,8 +258,9 @@ def _membership_change(
 ) -> tuple[dict[str, Any], str]:
     """An elastic job losing a node: the membership protocol (every member's session, the
     coordinator's service, every message a frame) from the node's death until every survivor
-    holds the next epoch; simulated whole up to ``max_ranks`` members (8,000 take about 10 s),
-    beyond extrapolated (:func:`_quadratic`: each survivor is sent the whole epoch)."""
+    holds the next epoch; simulated whole up to ``max_ranks`` members (8,000 take about 15 s),
+    beyond extrapolated (:func:`_extrapolated`, linearly: each survivor is sent the change
+    from the epoch it holds, a size that does not grow with the job)."""
 
     def simulate(w: int) -> dict[str, Any]:
         out = _core.sim_membership_change(w, ranks_per_host=group, **kw)
@@ -259,7 +268,9 @@ def _membership_change(
             raise MCPError(f"the simulated membership change of {w} members failed: {out}")
         return out
 
-    return _quadratic(simulate, world, group, max_ranks, "change_s", "coordinator_bytes")
+    return _extrapolated(
+        simulate, world, group, max_ranks, "change_s", "change_coordinator_bytes", False
+    )
 
 
 def _settings(args: argparse.Namespace) -> argparse.Namespace:
@@ -357,7 +368,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict[str, Any]]:
         "rendezvous_rank0_bytes": meet["rank0_bytes"],
         "rendezvous_note": meet_note,
         "epoch_change_s": change["change_s"] if change else None,
-        "epoch_change_coordinator_bytes": change["coordinator_bytes"] if change else None,
+        "epoch_change_coordinator_bytes": change["change_coordinator_bytes"] if change else None,
         "epoch_change_note": change_note,
         "checkpoint_full_bytes": ckpt_bytes,
         "checkpoint_delta_bytes": ckpt_bytes * args.delta_ratio,
@@ -437,7 +448,7 @@ def _print(args: argparse.Namespace, rows: list[Row], facts: dict[str, Any]) -> 
             f"a node failing in the elastic job: every survivor held the next epoch"
             f" {facts['epoch_change_s'] * 1e3:.0f} ms after (the coordinator's silence limit"
             f" {args.dead_after_s:g} s, heartbeats every {args.member_heartbeat_s:g} s;"
-            f" it sent {sent}) {facts['epoch_change_note']}"
+            f" the coordinator sent {sent} meanwhile) {facts['epoch_change_note']}"
         )
         print(line.rstrip())
     table = _si(facts["rendezvous_table_bytes"], "B")

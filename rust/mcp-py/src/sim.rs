@@ -157,9 +157,9 @@ pub fn sim_rendezvous<'py>(
 /// `dead_after_s` (heartbeats every `heartbeat_s`), or the survivors report earlier when
 /// their collective fails (`fails_after_s`, if given) or their watch on the epoch says it
 /// ended. Returns virtual seconds from the deaths until the last survivor had the next
-/// epoch, until every member had the first, the bytes the coordinator sent, requests and
-/// frames, and whether every survivor was handed the same next epoch of exactly the
-/// survivors.
+/// epoch, until every member had the first, the bytes the coordinator sent (in all, and from
+/// the deaths on), requests and frames, and whether every survivor was handed the same next
+/// epoch of exactly the survivors.
 #[pyfunction]
 #[pyo3(signature = (
     members, *, ranks_per_host=1, intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0,
@@ -201,6 +201,7 @@ pub fn sim_membership_change<'py>(
     let world = members + 1;
     let mut cfg = SimConfig::new(world, topology);
     cfg.seed = seed;
+    cfg.trace = true; // to count what the coordinator sent for the change alone
     let host = members / ranks_per_host / 2;
     let die_after = secs("die_after_s", die_after_s)?;
     let dying: Vec<usize> = (host * ranks_per_host..(host + 1) * ranks_per_host).collect();
@@ -277,6 +278,15 @@ pub fn sim_membership_change<'py>(
         "coordinator_bytes",
         run.report.wire_bytes.last().copied().unwrap_or(0.0),
     )?;
+    let since = deaths_at.map_or(u64::MAX, |t| t.as_nanos() as u64);
+    let change_bytes: u64 = run
+        .report
+        .trace
+        .iter()
+        .filter(|f| f.src == members && f.sent_ns >= since)
+        .map(|f| f.wire_bytes)
+        .sum();
+    d.set_item("change_coordinator_bytes", change_bytes)?;
     d.set_item("requests", run.coordinator.requests)?;
     d.set_item("frames", run.report.frames)?;
     d.set_item("error", error)?;
