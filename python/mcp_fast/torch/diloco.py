@@ -30,10 +30,11 @@ others, with an all-gather of one flag): that member's contribution is skipped w
 (names, dtypes, shapes) are refused at construction with
 :class:`~mcp_fast.SpecMismatchError` naming both.
 
-The outer group may be any Group: inner data parallelism inside a host (the user's own DDP
-over NCCL or Gloo) stays as it is, and one process per host (or every process, each with
-its own DiLoCo) joins the outer group. :class:`mcp_fast.torch.ElasticDiLoCo` runs the outer
-steps in an elastic job.
+The outer group may be any Group. Inside a host, DDP over
+:func:`mcp_fast.torch.host_group` (or the user's own over NCCL or Gloo) keeps the host's ranks
+equal, and DiLoCo over the whole job's group averages across hosts: with several ranks per
+host its all-reduce runs hierarchically, each rank carrying a shard across.
+:class:`mcp_fast.torch.ElasticDiLoCo` runs the outer steps in an elastic job.
 """
 
 from __future__ import annotations
