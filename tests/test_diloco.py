@@ -603,3 +603,10 @@ def test_diloco_between_hosts_with_ddp_inside_each_equals_diloco_over_the_hosts(
     for r in range(4):
         assert 0.4 * b * 3 < got[r]["quic_bytes"] < 0.75 * b * 3, (r, got[r]["quic_bytes"], b)
         assert got[r]["shm_bytes"] > 0.4 * b * 3, (r, got[r]["shm_bytes"])
+
+
+def test_host_group_refuses_a_group_of_another_backend():
+    from _launch import run as run_procs
+
+    (message,) = ok(run_procs("torch_workers.host_group_needs_mcp", 1, timeout=120))
+    assert "'mcp' backend" in message and "init_process_group" in message, message

@@ -461,3 +461,17 @@ def diloco_over_hosts(
     }
     dist.destroy_process_group()
     return out
+
+
+def host_group_needs_mcp(rank: int, world: int) -> str:
+    """``host_group`` on a Gloo group: a TypeError that says what to do."""
+    from mcp_fast.torch import host_group
+
+    _init("gloo")
+    try:
+        host_group()
+    except TypeError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
