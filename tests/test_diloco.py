@@ -610,3 +610,76 @@ def test_host_group_refuses_a_group_of_another_backend():
 
     (message,) = ok(run_procs("torch_workers.host_group_needs_mcp", 1, timeout=120))
     assert "'mcp' backend" in message and "init_process_group" in message, message
+
+
+def bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_batch_norm_statistics_are_averaged_with_the_outer_step(fragments):
+    """Each member's data shifts its running statistics differently; after the outer step
+    (and after finish, with fragments in flight) every member holds their average. The
+    causal-mask kind of buffer (not finite at construction) is left alone."""
+    world, h = 2, 4
+    models = [bn_model() for _ in range(world)]
+    for m in models:
+        m.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+
+    def member(r: int, g: mcp.Group, m: nn.Module, average: bool) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        dl = DiLoCo(m, opt, g, sync_every=h, fragments=fragments, average_buffers=average)
+        bn, first = m[1], h // fragments  # fragment 0's first outer step starts there
+        before: list[torch.Tensor] = []
+        for s in range(h):
+            x, y = data(r, s)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(m(x + 3.0 * r), y).backward()  # member r's data shifted
+            opt.step()
+            if s + 1 == first:  # what fragment 0's outer step takes
+                before = [bn.running_mean.clone(), bn.running_var.clone()]
+            dl.step()
+            if dl.fragment_syncs[0] == 1:  # merged (a step later when streaming)
+                break
+        dl.finish()
+        return [*before, bn.running_mean.clone(), bn.running_var.clone(), m.mask.clone()]
+
+    got = ok(run_members(models, lambda r, g, m: member(r, g, m, True)))
+    for i in (0, 1):  # running_mean, running_var
+        mean = (got[0][i] + got[1][i]) / 2
+        assert not torch.allclose(got[0][i], got[1][i]), "the members' statistics were alike"
+        for r in range(world):
+            torch.testing.assert_close(got[r][2 + i], mean, rtol=0, atol=1e-6)
+    for r in range(world):
+        assert torch.equal(got[r][4], torch.tensor([0.0, float("-inf")]))
+    # average_buffers=False leaves each member its own.
+    models = [bn_model() for _ in range(world)]
+    for m in models:
+        m.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+    own = ok(run_members(models, lambda r, g, m: member(r, g, m, False)))
+    assert not torch.allclose(own[0][2], own[1][2])
+
+
+def test_a_member_with_non_finite_buffers_is_skipped_and_takes_the_others():
+    world, h = 3, 2
+    models = [bn_model() for _ in range(world)]
+
+    def member(r: int, g: mcp.Group, m: nn.Module) -> tuple[torch.Tensor, list]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        dl = DiLoCo(m, opt, g, sync_every=h)
+        for s in range(h):
+            grad_step(m, r, s)
+            opt.step()
+            if r == 2 and s == h - 1:
+                m[1].running_var.fill_(float("nan"))
+            dl.step()
+        return m[1].running_var.clone(), dl.skipped
+
+    with warnings.catch_warnings(record=True):  # here: catch_warnings is not thread-safe
+        warnings.simplefilter("always")
+        got = ok(run_members(models, member))
+    for r in range(world):
+        assert torch.isfinite(got[r][0]).all(), r
+        assert torch.equal(got[r][0], got[0][0])
+        assert got[r][1] == [(h, [2])]

@@ -103,6 +103,9 @@ def check_same_model(group: Group, model: torch.nn.Module) -> None:
             )
 
 
+_Averaged = tuple[torch.Tensor, list[int], torch.Tensor | None]
+
+
 @dataclass
 class _Fragment:
     index: int
@@ -112,7 +115,7 @@ class _Fragment:
     offset: int
     numel: int
     residual: torch.Tensor | None = None
-    pending: Future[tuple[torch.Tensor, list[int]]] | None = None
+    pending: Future[_Averaged] | None = None
     due: int = 0
     syncs: int = 0
 
@@ -154,6 +157,11 @@ class DiLoCo:
     ``mix * θ_outer + (1 - mix) * θ_local`` (``mix``: 1 without delay, 0.5 with, as in
     Streaming DiLoCo); without delay, every member holds ``θ_outer`` after each outer step.
 
+    ``average_buffers``: the model's floating-point buffers that are finite at construction
+    (batch-norm running statistics; not a causal mask of ``-inf``) are averaged over the
+    members with fragment 0's outer step, so that every member evaluates alike; a member
+    whose buffers are not finite then is skipped as for a non-finite pseudo-gradient.
+
     ``group`` may be None at construction (set ``.group`` before the first outer step: an
     elastic job gives a new group to every epoch). ``check_model`` compares the members'
     models at construction (two small all-gathers); ``broadcast`` then gives every member
@@ -178,6 +186,7 @@ class DiLoCo:
         mix: float | None = None,
         check_model: bool = True,
         broadcast: bool = True,
+        average_buffers: bool = True,
     ) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}: use one of {', '.join(CODECS)}")
@@ -231,6 +240,11 @@ class DiLoCo:
                     numel=sum(p.numel() for p in ps),
                 )
             )
+        self._buffers: list[torch.Tensor] = [
+            b
+            for b in model.buffers()
+            if average_buffers and b.is_floating_point() and bool(torch.isfinite(b).all())
+        ]
         self._pool: ThreadPoolExecutor | None = None
         if check_model and group is not None:
             check_same_model(group, model)
@@ -409,12 +423,15 @@ class DiLoCo:
                     for o, p in zip(f.outer, f.params, strict=True)
                 ]
             )
+            buffers = None
+            if f.index == 0 and self._buffers:
+                buffers = torch.cat([b.detach().reshape(-1).float() for b in self._buffers])
         step = self.inner_steps
         if self.delay == 0:
-            fut: Future[tuple[torch.Tensor, list[int]]] = Future()
+            fut: Future[_Averaged] = Future()
             t0 = time.monotonic()
             try:
-                fut.set_result(self._reduce(f, delta))
+                fut.set_result(self._reduce(f, delta, buffers))
             except BaseException as e:
                 fut.set_exception(e)
             finally:
@@ -422,16 +439,19 @@ class DiLoCo:
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="mcp-diloco")
-            fut = self._pool.submit(self._reduce, f, delta)
+            fut = self._pool.submit(self._reduce, f, delta, buffers)
         f.pending = fut
         f.due = step + self.delay
 
-    def _reduce(self, f: _Fragment, delta: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Averages ``delta`` over the members whose pseudo-gradient is finite. Every
-        collective of the group runs here, in fragment order, on one thread."""
+    def _reduce(self, f: _Fragment, delta: torch.Tensor, buffers: torch.Tensor | None) -> _Averaged:
+        """Averages ``delta`` (and ``buffers``) over the members whose pseudo-gradient (and
+        buffers) are finite. Every collective of the group runs here, in fragment order, on
+        one thread."""
         g = self._g()
         w = g.world_size
         finite = bool(torch.isfinite(delta).all())
+        if buffers is not None:
+            finite = finite and bool(torch.isfinite(buffers).all())
         flags = np.zeros((w, 1), dtype=np.int32)
         g.all_gather(flags, np.array([1 if finite else 0], dtype=np.int32))
         bad = [r for r in range(w) if not flags[r, 0]]
@@ -461,7 +481,13 @@ class DiLoCo:
             g.all_reduce(delta, op="sum", codec=self.codec, block=self.block)
         if n_ok:
             delta.div_(n_ok)
-        return delta, bad
+        if buffers is not None:
+            if not finite:
+                buffers.zero_()
+            g.all_reduce(buffers, op="sum")
+            if n_ok:
+                buffers.div_(n_ok)
+        return delta, bad, buffers
 
     def _merge(self, f: _Fragment, mix: float | None = None) -> None:
         """Waits for the fragment's averaged pseudo-gradient, applies the outer optimizer and
@@ -470,7 +496,7 @@ class DiLoCo:
         fut, f.pending = f.pending, None
         t0 = time.monotonic()
         try:
-            avg, bad = fut.result()
+            avg, bad, buffers = fut.result()
         finally:
             self.blocked_seconds += time.monotonic() - t0
         w = self._g().world_size
@@ -498,6 +524,13 @@ class DiLoCo:
             f.opt.step()
             f.opt.zero_grad(set_to_none=True)
             m = self.mix if mix is None else mix
+        if buffers is not None and len(bad) < w:
+            with torch.no_grad():
+                offset = 0
+                for b in self._buffers:
+                    n = b.numel()
+                    b.copy_(buffers[offset : offset + n].view_as(b))
+                    offset += n
         if self._g().rank in bad:
             self._restart()
             return

@@ -50,6 +50,7 @@ class ElasticDiLoCo:
         "outer_lr",
         "outer_momentum",
         "outer_optimizer",
+        "average_buffers",
     )
 
     def __init__(
