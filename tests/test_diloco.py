@@ -612,9 +612,15 @@ def test_host_group_refuses_a_group_of_another_backend():
     assert "'mcp' backend" in message and "init_process_group" in message, message
 
 
-def bn_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+def bn_models(n: int) -> list[nn.Module]:
+    """Batch norm (statistics to average) and a causal-mask-like buffer of -inf (to leave)."""
+    out = []
+    for _ in range(n):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        m.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+        out.append(m)
+    return out
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
@@ -623,9 +629,7 @@ def test_batch_norm_statistics_are_averaged_with_the_outer_step(fragments):
     (and after finish, with fragments in flight) every member holds their average. The
     causal-mask kind of buffer (not finite at construction) is left alone."""
     world, h = 2, 4
-    models = [bn_model() for _ in range(world)]
-    for m in models:
-        m.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+    models = bn_models(world)
 
     def member(r: int, g: mcp.Group, m: nn.Module, average: bool) -> list[torch.Tensor]:
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
@@ -654,16 +658,14 @@ def test_batch_norm_statistics_are_averaged_with_the_outer_step(fragments):
     for r in range(world):
         assert torch.equal(got[r][4], torch.tensor([0.0, float("-inf")]))
     # average_buffers=False leaves each member its own.
-    models = [bn_model() for _ in range(world)]
-    for m in models:
-        m.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+    models = bn_models(world)
     own = ok(run_members(models, lambda r, g, m: member(r, g, m, False)))
     assert not torch.allclose(own[0][2], own[1][2])
 
 
 def test_a_member_with_non_finite_buffers_is_skipped_and_takes_the_others():
     world, h = 3, 2
-    models = [bn_model() for _ in range(world)]
+    models = bn_models(world)
 
     def member(r: int, g: mcp.Group, m: nn.Module) -> tuple[torch.Tensor, list]:
         opt = torch.optim.SGD(m.parameters(), lr=0.05)

@@ -11,6 +11,7 @@
 //! The new epoch forms once every live member of the old one has reported (or after
 //! `change_limit`, without those that did not), with at least `min_members`.
 
+use super::change::EpochChange;
 use super::{Epoch, Member, MemberId, Step, NO_STATE};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -121,9 +122,11 @@ pub struct Coordinator {
     incarnation: u64,
     spec: Option<String>,
     current: Option<Epoch>,
-    /// The last [`RECENT_EPOCHS`] epochs before the current one, oldest first: a member
-    /// that holds one is told the next as the change from it.
+    /// The last [`RECENT_EPOCHS`] epochs before the current one, oldest first.
     recent: VecDeque<Epoch>,
+    /// The current epoch as the change from each of `recent`, made once when it formed: every
+    /// member that holds one of them is told that change.
+    changes: Vec<EpochChange>,
     known: HashMap<MemberId, Known>,
     /// Members of the current epoch that died, left or were expelled: not waited for.
     gone: HashSet<MemberId>,
@@ -156,6 +159,7 @@ impl Coordinator {
             spec: None,
             current: None,
             recent: VecDeque::new(),
+            changes: Vec::new(),
             known: HashMap::new(),
             gone: HashSet::new(),
             changing: None,
@@ -265,15 +269,23 @@ impl Coordinator {
             }
             self.recent.push_back(old);
         }
+        self.changes = match &self.current {
+            Some(c) => self
+                .recent
+                .iter()
+                .filter_map(|base| EpochChange::between(base, c))
+                .collect(),
+            None => Vec::new(),
+        };
         self.revision += 1;
     }
 
-    /// Epoch `number` of `incarnation`, if it is the current one or one of the few before.
-    pub fn epoch(&self, number: u64, incarnation: u64) -> Option<&Epoch> {
-        self.current
+    /// The current epoch as the change from epoch `number` of `incarnation`, if that is one
+    /// of the few before it.
+    pub fn change_from(&self, number: u64, incarnation: u64) -> Option<&EpochChange> {
+        self.changes
             .iter()
-            .chain(self.recent.iter().rev())
-            .find(|e| e.number == number && e.incarnation == incarnation)
+            .find(|c| c.base == number && c.incarnation == incarnation)
     }
 
     /// A member is no longer known (left, died, silent): its waits are answered anew.

@@ -8,7 +8,6 @@
 //! The QUIC server ([`super::server`]) and the simulator drive the same code: one stream per
 //! request there, one frame each way here.
 
-use super::change::EpochChange;
 use super::coordinator::{Coordinator, Master, Readiness};
 use super::wire::{Reply, Request};
 use super::MemberId;
@@ -138,10 +137,10 @@ impl Service {
         match poll {
             Poll::Epoch { id, seen, holds } => match c.readiness(id, seen) {
                 Readiness::Formed(e) => Some(
-                    holds
-                        .and_then(|(number, incarnation)| c.epoch(number, incarnation))
-                        .and_then(|base| EpochChange::between(base, e))
-                        .map_or_else(|| Reply::Formed(e.clone()), Reply::Changed),
+                    match holds.and_then(|(number, inc)| c.change_from(number, inc)) {
+                        Some(change) => Reply::Changed(change.clone()),
+                        None => Reply::Formed(e.clone()),
+                    },
                 ),
                 Readiness::Waiting => None,
                 Readiness::Unknown => Some(Reply::Unknown),
@@ -361,8 +360,9 @@ mod tests {
             (&[1][..], &[3][..])
         );
         assert_eq!(&change.apply(&epochs[0]).expect("applies"), next);
-        assert_eq!(s.coordinator().epoch(e, 7), Some(&epochs[0]));
-        assert_eq!(s.coordinator().epoch(e, 8), None);
+        assert_eq!(s.coordinator().change_from(e, 7), Some(change));
+        assert_eq!(s.coordinator().change_from(e, 8), None);
+        assert_eq!(s.coordinator().change_from(next.number, 7), None);
     }
 
     /// A long poll that nothing answers ends after its wait (at most MAX_WAIT) with the
