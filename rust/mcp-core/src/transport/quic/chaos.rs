@@ -1341,6 +1341,11 @@ mod tests {
             ChaosConfig::parse("seed=9,delay=20ms,reorder=0.02,dup=0.02,rate=2gbit").expect("spec");
         let p = pair(cfg, Duration::from_secs(10));
         let took = transfer(&p, 4 << 20).await;
+        // Counters are read once the closed connection has drained, so no datagram is
+        // between being counted sent and being counted delayed.
+        tokio::time::timeout(Duration::from_secs(30), p.client.wait_idle())
+            .await
+            .expect("the closed connection drained");
         let s = &p.stats;
         let sent = s.sent.load(Ordering::Relaxed);
         eprintln!(
