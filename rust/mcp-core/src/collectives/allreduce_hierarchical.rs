@@ -1,5 +1,6 @@
 //! Hierarchical all-reduce: reduce-scatter inside each host, all-reduce of each shard between
-//! hosts by the local rank that owns it, all-gather inside each host.
+//! hosts by the local rank that owns it, all-gather inside each host; pipelined in stages so
+//! that the three phases of different stages overlap.
 //!
 //! The buffer is cut into `m` shards, `m` the fewest ranks any host has. On host `h` (`L_h`
 //! ranks), local rank `i < m` owns shard `i`; on a larger host the other ranks own nothing
@@ -10,15 +11,51 @@
 //! host-crossing link, once per host boundary on the ring). Codecs apply to the inter-host
 //! ring only; its owners encode each finished piece once and keep what they sent, and the
 //! intra-host all-gather copies bits, so every rank ends with identical bits.
+//!
+//! A large buffer goes through in stages (see [`stages`]): while the hosts exchange stage
+//! `s`, the ranks of each host already reduce stage `s + 1` among themselves and gather stage
+//! `s - 1`. Where the link between hosts is the bottleneck, the intra-host phases then hide
+//! behind it instead of adding to it. Every stage is a separate part of the operation, with
+//! its own steps, so the frames of different stages never share a key.
 
 use super::ring_parts::{allgather_parts, reduce_scatter_parts};
 use super::{segments_of, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::reduce::finish_avg;
 use crate::topology::Topology;
 use crate::transport::Transport;
+use std::ops::Range;
+use tokio::sync::mpsc;
+
+/// Frames (of the operation's `chunk_bytes`) that each shard owner moves per stage: enough
+/// that a stage keeps the link busy, few enough that a 64 MiB buffer has several stages.
+const STAGE_CHUNKS: usize = 4;
+/// Most stages: each takes 4 parts of the operation's step space (256 parts in all).
+pub const MAX_STAGES: usize = 60;
+
+/// The byte ranges the pipeline moves one after the other: about `STAGE_CHUNKS` frames per
+/// shard owner each, at most [`MAX_STAGES`], every one but the last a whole number of `unit`
+/// elements (shards times hosts), so that each stage splits evenly wherever the whole
+/// buffer does. One stage when there is nothing to overlap: a single host, or one rank per
+/// host.
+pub fn stages(topo: &Topology, len: usize, elem: usize, chunk_bytes: usize) -> Vec<Range<usize>> {
+    let (m, hosts) = (topo.min_local().max(1), topo.hosts().max(1));
+    let elems = len / elem;
+    let unit = m * hosts;
+    let target = (STAGE_CHUNKS * chunk_bytes.max(elem) * m).max(1);
+    let wanted = len.div_ceil(target).clamp(1, MAX_STAGES);
+    let per = elems / wanted / unit * unit;
+    if hosts == 1 || topo.world() == hosts || wanted == 1 || per == 0 {
+        return std::iter::once(0..len).collect();
+    }
+    let mut out: Vec<Range<usize>> = (0..wanted - 1)
+        .map(|s| s * per * elem..(s + 1) * per * elem)
+        .collect();
+    out.push((wanted - 1) * per * elem..len);
+    out
+}
 
 /// All-reduces `buf` (elements of `dtype`) in place, host by host, over `topo`.
 pub async fn allreduce_hierarchical<T: Transport>(
@@ -40,27 +77,88 @@ pub async fn allreduce_hierarchical<T: Transport>(
     let (host, local) = (topo.host_of(me), topo.local_rank(me));
     let host_ranks = topo.ranks_of(host);
     let m = topo.min_local();
-    let shards = segments_of(0..buf.len(), m, elem);
-    let intra: Vec<Vec<_>> = (0..host_ranks.len())
-        .map(|i| shards.get(i).cloned().into_iter().collect())
+    let peers = topo.counterparts(local);
+    let plan: Vec<Stage> = stages(topo, buf.len(), elem, ctx.chunk_bytes)
+        .into_iter()
+        .map(|range| Stage::new(range, m, host_ranks.len(), local, peers.len(), elem))
         .collect();
 
-    let inside = ctx.part(host_ranks, 0, true)?;
-    reduce_scatter_parts(&inside, buf, &intra, dtype, part_op).await?;
-    if local < m {
-        let peers = topo.counterparts(local);
-        let pieces: Vec<Vec<_>> = segments_of(shards[local].clone(), peers.len(), elem)
-            .into_iter()
-            .map(|p| vec![p])
-            .collect();
-        reduce_scatter_parts(&ctx.part(&peers, 1, false)?, buf, &pieces, dtype, part_op).await?;
-        allgather_parts(&ctx.part(&peers, 2, false)?, buf, &pieces, elem).await?;
-    }
-    allgather_parts(&ctx.part(host_ranks, 3, true)?, buf, &intra, elem).await?;
+    // Three loops, one per phase, each taking the stages in order; a stage passes from one
+    // to the next through a channel as soon as its phase is done on this rank.
+    let (scattered, mut to_exchange) = mpsc::unbounded_channel::<usize>();
+    let (exchanged, mut to_gather) = mpsc::unbounded_channel::<usize>();
+    let scatter = async {
+        for (s, st) in plan.iter().enumerate() {
+            let inside = ctx.part(host_ranks, part(s, 0), true)?;
+            reduce_scatter_parts(&inside, buf, &st.intra, dtype, part_op).await?;
+            // The receiver only goes when the operation is failing anyway.
+            let _ = scattered.send(s);
+        }
+        drop(scattered);
+        Ok::<(), Error>(())
+    };
+    let exchange = async {
+        while let Some(s) = to_exchange.recv().await {
+            if local < m {
+                let pieces = &plan[s].pieces;
+                let across = ctx.part(&peers, part(s, 1), false)?;
+                reduce_scatter_parts(&across, buf, pieces, dtype, part_op).await?;
+                let across = ctx.part(&peers, part(s, 2), false)?;
+                allgather_parts(&across, buf, pieces, elem).await?;
+            }
+            let _ = exchanged.send(s);
+        }
+        drop(exchanged);
+        Ok::<(), Error>(())
+    };
+    let gather = async {
+        while let Some(s) = to_gather.recv().await {
+            let inside = ctx.part(host_ranks, part(s, 3), true)?;
+            allgather_parts(&inside, buf, &plan[s].intra, elem).await?;
+        }
+        Ok::<(), Error>(())
+    };
+    tokio::try_join!(scatter, exchange, gather)?;
 
     if op == ReduceOp::Avg {
         // SAFETY: every network view of the buffer has ended.
         finish_avg(dtype, unsafe { buf.slice_mut(0..buf.len()) }, topo.world())?;
     }
     Ok(())
+}
+
+/// The part of the operation that phase `phase` (0-3) of stage `stage` runs as.
+fn part(stage: usize, phase: u32) -> u32 {
+    stage as u32 * 4 + phase
+}
+
+/// What one stage moves: each local rank's shard of it inside the host, and the pieces of
+/// this rank's shard around the ring of hosts.
+struct Stage {
+    intra: Vec<Vec<Range<usize>>>,
+    pieces: Vec<Vec<Range<usize>>>,
+}
+
+impl Stage {
+    fn new(
+        range: Range<usize>,
+        m: usize,
+        locals: usize,
+        local: usize,
+        hosts: usize,
+        elem: usize,
+    ) -> Stage {
+        let shards = segments_of(range, m, elem);
+        let intra = (0..locals)
+            .map(|i| shards.get(i).cloned().into_iter().collect())
+            .collect();
+        let pieces = match shards.get(local) {
+            Some(own) => segments_of(own.clone(), hosts, elem)
+                .into_iter()
+                .map(|p| vec![p])
+                .collect(),
+            None => Vec::new(),
+        };
+        Stage { intra, pieces }
+    }
 }

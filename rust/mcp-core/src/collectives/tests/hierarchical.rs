@@ -4,6 +4,7 @@
 
 use super::{as_f32, cfg, f32_bytes, input, noisy, reference, run_world, OPS};
 use crate::buffer::RawBuf;
+use crate::collectives::allreduce_hierarchical::{stages, MAX_STAGES};
 use crate::collectives::{
     allgather_hierarchical, broadcast_hierarchical, reduce_scatter_hierarchical, OpCtx,
 };
@@ -249,6 +250,79 @@ async fn hierarchical_all_reduce_every_topology_dtype_op_and_size() {
                 }
             }
         }
+    }
+}
+
+/// The topologies on which the hierarchical all-reduce runs in more than one stage.
+const STAGED: [&[usize]; 4] = [
+    &[0, 0, 1, 1],
+    &[0, 0, 0, 1, 1],
+    &[0, 1, 0, 1, 1],
+    &[0, 0, 1, 1, 1, 2, 2],
+];
+
+#[test]
+fn stages_cover_the_buffer_in_aligned_pieces_and_only_where_phases_can_overlap() {
+    for hosts in STAGED {
+        let t = topo(hosts);
+        let unit = t.min_local() * t.hosts();
+        for (len, elem, chunk) in [
+            (80_000, 4, 4096),
+            (1 << 26, 4, 1 << 20),
+            (1 << 30, 2, 1 << 20),
+        ] {
+            let st = stages(&t, len, elem, chunk);
+            assert!(
+                st.len() > 1 && st.len() <= MAX_STAGES,
+                "{hosts:?} {len}: {st:?}"
+            );
+            assert_eq!(st[0].start, 0);
+            assert_eq!(st.last().map(|r| r.end), Some(len));
+            for w in st.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{hosts:?} {len}: contiguous");
+            }
+            for r in &st[..st.len() - 1] {
+                assert_eq!(
+                    r.len() % (unit * elem),
+                    0,
+                    "{hosts:?} {len}: {r:?} not aligned"
+                );
+            }
+        }
+        // A small buffer is one stage.
+        assert_eq!(stages(&t, 4000, 4, 4096), vec![0..4000]);
+        assert_eq!(stages(&t, 0, 4, 4096), vec![0..0]);
+    }
+    // Nothing to overlap: one host, or one rank per host.
+    for hosts in [&[0, 0, 0, 0][..], &[0, 1, 2]] {
+        assert_eq!(stages(&topo(hosts), 1 << 26, 4, 4096), vec![0..1 << 26]);
+    }
+    // 64 MiB over 2 hosts x 2 in 1 MiB frames: 8 stages of 8 MiB.
+    let st = stages(&topo(&[0, 0, 1, 1]), 64 << 20, 4, 1 << 20);
+    assert_eq!(st.len(), 8);
+    assert!(st.iter().all(|r| r.len() == 8 << 20));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hierarchical_all_reduce_in_stages_is_exact_also_under_reordering_and_damage() {
+    // 20,000 elements in 4 KiB frames: several stages whose phases overlap.
+    let n = 20_000;
+    for hosts in STAGED {
+        let t = topo(hosts);
+        for dtype in [DType::F32, DType::F64, DType::I32] {
+            let len = n * dtype.size();
+            assert!(
+                stages(&t, len, dtype.size(), cfg().chunk_bytes).len() > 2,
+                "{hosts:?}"
+            );
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                if op.check(dtype).is_ok() {
+                    all_reduce_case(hosts, dtype, op, n, None).await;
+                }
+            }
+        }
+        all_reduce_case(hosts, DType::F32, ReduceOp::Sum, n, reorder(21)).await;
+        all_reduce_case(hosts, DType::I32, ReduceOp::Sum, n, damage(22)).await;
     }
 }
 
