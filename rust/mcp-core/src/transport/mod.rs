@@ -4,6 +4,7 @@
 //! connections ([`quic`]) and on the in-memory transport ([`mem`]) that `cargo test` uses,
 //! with or without seeded faults.
 
+pub mod buffer_pool;
 pub mod host;
 mod mailbox;
 pub mod meeting;

@@ -286,6 +286,8 @@ pub struct QuicTransport {
     next_transfer: AtomicU64,
     /// Room for frames kept until their receiver's verdict (see `stream_lane`).
     retained: Arc<tokio::sync::Semaphore>,
+    /// Buffers for the copies of those frames (see `stream_lane::SEND_BUFFERS`).
+    send_bufs: crate::transport::buffer_pool::BufferPool,
     /// This rank's progress and its peers' reports.
     progress: Mutex<crate::health::ProgressWatch>,
     /// Connections this process dropped to have them re-established (`chaos_reset`).
@@ -420,6 +422,7 @@ impl QuicTransport {
             started: Instant::now(),
             next_transfer: AtomicU64::new(1),
             retained: Arc::new(tokio::sync::Semaphore::new(stream_lane::retain_budget())),
+            send_bufs: stream_lane::send_buffers(),
             progress: Mutex::new(crate::health::ProgressWatch::new(
                 world,
                 cfg.stall_timeout,

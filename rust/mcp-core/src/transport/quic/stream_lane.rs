@@ -46,6 +46,16 @@ pub const VERDICT_GIVE_UP: u8 = 2;
 
 /// Frame bytes kept for resending, per process.
 pub const RETAIN_BYTES: usize = 1 << 30;
+/// How many buffers of kept frames are reused rather than freed, and the largest kept: a
+/// ring's frames in flight at the default 1 MiB chunk (so 32 MiB idle at that chunk size,
+/// 64 MiB at most).
+const SEND_BUFFERS: (usize, usize) = (32, 2 << 20);
+
+/// The pool the copies of kept frames come from.
+pub(super) fn send_buffers() -> crate::transport::buffer_pool::BufferPool {
+    crate::transport::buffer_pool::BufferPool::new(SEND_BUFFERS.0, SEND_BUFFERS.1)
+}
+
 /// Frames that failed and wait for their resend, per connection; more is a broken peer.
 const FAILING_FRAMES: usize = 4096;
 
@@ -103,7 +113,7 @@ impl QuicTransport {
             .map_err(|_| WriteFail::Conn(ConnectionError::LocallyClosed))?;
         let frame = Retained {
             head: Bytes::from(head),
-            payload: Bytes::copy_from_slice(payload),
+            payload: self.send_bufs.copy(payload),
             _permit: permit,
         };
         let recv = self.send_attempt(conn, &frame).await?;
