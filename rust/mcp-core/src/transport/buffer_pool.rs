@@ -1,13 +1,11 @@
-//! Byte buffers a sender reuses for the copies of frames it keeps until their receiver's
-//! verdict.
+//! Byte buffers reused for the frames a rank copies: the copies of sent frames it keeps until
+//! their receiver's verdict, and the pieces a shared-memory reader copies out of its ring.
 //!
-//! Every data frame sent on a stream is copied once, into memory the sender owns (the
-//! caller's tensor may change as soon as the operation returns, while the frame may still
-//! have to be sent again). A fresh allocation of a frame's size is fresh pages: the copy
-//! then pays a page fault, the kernel's zeroing and the memory cgroup's accounting for every
-//! 4 KiB, which measured as much CPU as the copy itself (a 64 MiB all-reduce between two
-//! processes over QUIC: 7 % of one rank's samples in page faults under that copy). A buffer
-//! returned to the pool keeps its pages; the next frame's copy writes into them.
+//! A fresh allocation of a frame's size is fresh pages: the copy into it then pays a page
+//! fault, the kernel's zeroing and the memory cgroup's accounting for every 4 KiB, which
+//! measured as much CPU as the copy itself (a 64 MiB all-reduce between two processes: 7 %
+//! of one rank's samples over QUIC, 14 % over shared memory, in page faults under those
+//! copies). A buffer returned to the pool keeps its pages; the next copy writes into them.
 
 use bytes::Bytes;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -44,15 +42,34 @@ impl BufferPool {
         if data.len() > self.inner.max_bytes {
             return Bytes::copy_from_slice(data);
         }
-        let mut buf = {
-            let mut free = self.inner.lock();
-            match free.iter().rposition(|b| b.capacity() >= data.len()) {
-                Some(i) => free.swap_remove(i),
-                None => Vec::new(),
-            }
-        };
-        buf.clear();
+        let mut buf = self.buffer(data.len());
         buf.extend_from_slice(data);
+        self.wrap(buf)
+    }
+
+    /// An empty buffer with room for at least `capacity` bytes: a free one from the pool
+    /// when one is large enough, else a new one.
+    pub fn buffer(&self, capacity: usize) -> Vec<u8> {
+        let reused = if capacity <= self.inner.max_bytes {
+            let mut free = self.inner.lock();
+            free.iter()
+                .rposition(|b| b.capacity() >= capacity)
+                .map(|i| free.swap_remove(i))
+        } else {
+            None
+        };
+        match reused {
+            Some(mut b) => {
+                b.clear();
+                b
+            }
+            None => Vec::with_capacity(capacity),
+        }
+    }
+
+    /// `buf` as `Bytes` that give it back to the pool (if it has room) when the last clone
+    /// is dropped.
+    pub fn wrap(&self, buf: Vec<u8>) -> Bytes {
         Bytes::from_owner(Loan {
             buf,
             home: Arc::downgrade(&self.inner),
@@ -137,6 +154,26 @@ mod tests {
         drop(small.copy(&[1u8; 10]));
         let grown = small.copy(&[2u8; 4000]);
         assert_eq!(&grown[..], &[2u8; 4000][..]);
+    }
+
+    #[test]
+    fn a_filled_buffer_goes_back_when_its_bytes_are_dropped() {
+        let pool = BufferPool::new(4, 1 << 16);
+        let mut b = pool.buffer(1000);
+        assert!(b.is_empty() && b.capacity() >= 1000);
+        b.extend_from_slice(&[3u8; 1000]);
+        let bytes = pool.wrap(b);
+        assert_eq!(&bytes[..], &[3u8; 1000][..]);
+        let at = bytes.as_ptr();
+        drop(bytes);
+        let again = pool.buffer(500);
+        assert!(again.is_empty(), "a reused buffer comes back empty");
+        assert_eq!(again.as_ptr(), at);
+        // Larger than the pool keeps: a new buffer, never shelved.
+        let huge = pool.buffer(1 << 20);
+        assert!(huge.capacity() >= 1 << 20);
+        drop(pool.wrap(huge));
+        assert_eq!(pool.idle(), 0);
     }
 
     #[test]

@@ -10,9 +10,9 @@
 use super::ring::{Reader, Ring, Writer, CONTROL};
 use super::sys::{self, Mapping};
 use crate::error::{Error, Result};
+use crate::transport::buffer_pool::BufferPool;
 use crate::transport::Payload;
 use crate::wire::{Header, HEADER_FIXED};
-use bytes::Bytes;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,6 +53,9 @@ pub(crate) const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest piece the writer publishes at once and the reader copies into one buffer: the
 /// reader starts on a frame while the writer is still copying it in.
 const PIECE: usize = 256 << 10;
+/// Pieces' buffers a reader keeps for reuse once the collective is done with them (at most
+/// 16 MiB per peer, idle).
+const PIECE_BUFFERS: usize = 64;
 /// How long a reader spins on an empty ring before it sleeps on its eventfd.
 const READER_SPIN: Duration = Duration::from_micros(20);
 /// How long a sleeping side waits before it looks at its stop flag or the peer again.
@@ -440,8 +443,9 @@ impl Drop for Link {
 /// The reader thread: frames out of the ring into `sink`, until the ring is closed after a
 /// goodbye, the peer hangs up, the channel breaks or `stop` is set.
 fn read_loop(mut reader: Reader, sock: UnixStream, stop: &AtomicBool, sink: &Sink) {
+    let pieces = BufferPool::new(PIECE_BUFFERS, PIECE);
     loop {
-        match read_frame(&mut reader, &sock, stop) {
+        match read_frame(&mut reader, &sock, stop, &pieces) {
             Ok(ev) => sink(ev),
             Err(End::Quiet) => return,
             Err(End::HungUp) => {
@@ -529,6 +533,7 @@ fn read_frame(
     reader: &mut Reader,
     sock: &UnixStream,
     stop: &AtomicBool,
+    pieces: &BufferPool,
 ) -> std::result::Result<Event, End> {
     let mut fixed = [0u8; HEADER_FIXED];
     read_exact(reader, sock, stop, &mut fixed)?;
@@ -548,7 +553,7 @@ fn read_frame(
     let mut left = header.payload_len as usize;
     while left > 0 {
         let want = left.min(PIECE);
-        let mut piece = Vec::with_capacity(want);
+        let mut piece = pieces.buffer(want);
         while piece.len() < want {
             let n = reader
                 .read_into_spare(&mut piece, want)
@@ -559,7 +564,7 @@ fn read_frame(
         }
         crc = crc32c::crc32c_append(crc, &piece);
         left -= piece.len();
-        payload.push(Bytes::from(piece));
+        payload.push(pieces.wrap(piece));
     }
     if crc != header.payload_crc {
         let e = Error::Protocol(format!(
