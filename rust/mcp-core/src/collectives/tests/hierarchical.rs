@@ -380,7 +380,8 @@ async fn hierarchical_collectives_are_exact_under_reordering_and_damage() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coded_hierarchical_collectives_give_every_rank_the_same_bits() {
-    let n = 5000;
+    // Large enough that the all-reduce runs in stages, each coded on its own.
+    let n = 10_000;
     let codecs = [
         (Codec::Fp16, 1.0f32 / 2048.0),
         (Codec::Bf16, 1.0 / 256.0),
@@ -388,6 +389,7 @@ async fn coded_hierarchical_collectives_give_every_rank_the_same_bits() {
     ];
     for (codec, rel) in codecs {
         for hosts in [&[0, 0, 1, 1][..], &[0, 1, 0, 1, 1], &[0, 0, 1, 1, 1, 2, 2]] {
+            assert!(stages(&topo(hosts), 4 * n, 4, cfg().chunk_bytes).len() > 1);
             let w = hosts.len();
             let exact: Vec<f64> = (0..n)
                 .map(|i| (0..w).map(|r| f64::from(noisy(r, n)[i])).sum())
