@@ -44,7 +44,10 @@ pub fn stages(topo: &Topology, len: usize, elem: usize, chunk_bytes: usize) -> V
     let (m, hosts) = (topo.min_local().max(1), topo.hosts().max(1));
     let elems = len / elem;
     let unit = m * hosts;
-    let target = (STAGE_CHUNKS * chunk_bytes.max(elem) * m).max(1);
+    let target = chunk_bytes
+        .max(elem)
+        .saturating_mul(STAGE_CHUNKS)
+        .saturating_mul(m);
     let wanted = len.div_ceil(target).clamp(1, MAX_STAGES);
     let per = elems / wanted / unit * unit;
     if hosts == 1 || topo.world() == hosts || wanted == 1 || per == 0 {

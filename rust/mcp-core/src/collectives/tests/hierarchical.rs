@@ -289,8 +289,9 @@ fn stages_cover_the_buffer_in_aligned_pieces_and_only_where_phases_can_overlap()
                 );
             }
         }
-        // A small buffer is one stage.
+        // A small buffer is one stage; so is any buffer under a huge frame size.
         assert_eq!(stages(&t, 4000, 4, 4096), vec![0..4000]);
+        assert_eq!(stages(&t, 1 << 30, 4, usize::MAX), vec![0..1 << 30]);
         assert_eq!(stages(&t, 0, 4, 4096), vec![0..0]);
     }
     // Nothing to overlap: one host, or one rank per host.
