@@ -23,7 +23,7 @@ def shm_mappings() -> int:
 
 
 def _collectives(g: mcp.Group, rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
-    out = all_reduce_sweep(g, rank, ["ring", "tree", "recursive_doubling"], sizes)
+    out = all_reduce_sweep(g, rank, ["ring", "tree", "recursive_doubling", "direct"], sizes)
     for n in sizes:
         root = n % world
         b = data("int64", "sum", rank, n, salt=root) if rank == root else np.zeros(n, "int64")
@@ -112,3 +112,18 @@ def with_failure(rank: int, world: int, fail: dict[int, str]) -> dict:
             "warnings": [str(w.message) for w in caught if w.category is mcp.SharedMemoryWarning],
         }
     return out
+
+
+def direct_reads(rank: int, world: int, declines: list[int]) -> dict:
+    """All-reduces with the default algorithm, `MCP_SHM_DIRECT=0` on the ranks in `declines`:
+    the result and how many bytes went through the rings."""
+    if rank in declines:
+        os.environ["MCP_SHM_DIRECT"] = "0"
+    g = mcp.init(timeout=60)
+    with g:
+        before = g.shm_stats()["bytes_sent"]
+        a = data("float32", "sum", rank, 300_001)
+        g.all_reduce(a)
+        b = data("float64", "avg", rank, 1 << 20)
+        g.all_reduce(b, op="avg")
+        return {"sum": a, "avg": b, "ring_bytes": g.shm_stats()["bytes_sent"] - before}

@@ -34,7 +34,7 @@ def _dev_shm() -> set[str]:
 
 def _check_collectives(results: list[dict], world: int, sizes: list[int]) -> None:
     for rank, out in enumerate(results):
-        for algo in ["ring", "tree", "recursive_doubling"]:
+        for algo in ["ring", "tree", "recursive_doubling", "direct"]:
             for dtype in DTYPES:
                 for op in OPS:
                     if op == "avg" and not dtype.startswith("float"):
@@ -78,6 +78,23 @@ def test_every_collective_over_shared_memory_is_bit_exact(world: int) -> None:
         assert out["mappings"] > 0, "the rings are mapped from memfds"
         assert out["warnings"] == []
     assert _dev_shm() == shm_before, "nothing is ever created in /dev/shm"
+
+
+@pytest.mark.parametrize("declines", [[], [1], [0, 2]], ids=["all-read", "one-declines", "two"])
+def test_ranks_of_one_host_read_each_other_directly_unless_one_declines(declines: list) -> None:
+    world = 3
+    results = ok(run("shm_workers.direct_reads", world, declines, timeout=120))
+    want_sum = reduce_ref([data("float32", "sum", r, 300_001) for r in range(world)], "sum")
+    want_avg = reduce_ref([data("float64", "avg", r, 1 << 20) for r in range(world)], "avg")
+    for out in results:
+        np.testing.assert_array_equal(out["sum"], want_sum)
+        np.testing.assert_array_equal(out["avg"], want_avg)
+        if declines:
+            # Every rank fell back to the ring in the same operation: the data crossed the rings.
+            assert out["ring_bytes"] > 8 << 20, out["ring_bytes"]
+        else:
+            # Only the small frames that order the reads went through the rings.
+            assert out["ring_bytes"] < 64 << 10, out["ring_bytes"]
 
 
 def test_host_ids_split_loopback_ranks_into_hosts() -> None:

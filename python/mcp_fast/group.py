@@ -269,9 +269,11 @@ class Group:
         block: int = 256,
     ) -> Work | None:
         """Reduce ``tensor`` across ranks, in place. ``algorithm``: auto, ring, tree,
-        recursive_doubling, hierarchical (auto picks recursive doubling up to 64 KiB; above,
-        hierarchical when :attr:`topology` has more than one host and more than one rank on
-        some host, else ring).
+        recursive_doubling, hierarchical, direct (auto picks recursive doubling up to 64 KiB;
+        above, hierarchical when :attr:`topology` has more than one host and more than one
+        rank on some host; direct when every rank is on this host with shared memory and no
+        codec is asked for: each rank reads its peers' tensors with one kernel copy, falling
+        back to the ring where the kernel refuses it; else ring).
 
         ``codec`` compresses what travels: ``"fp16"``/``"bf16"`` (round to nearest even),
         ``"int8"`` (blockwise scale, ``block`` elements per scale), ``"lossless"``

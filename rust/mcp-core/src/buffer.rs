@@ -42,6 +42,12 @@ impl RawBuf {
         }
     }
 
+    /// Where the memory starts in this process's address space (what a peer on this host
+    /// reads it at, with [`peer_memory`](crate::transport::peer_memory)).
+    pub fn address(&self) -> u64 {
+        self.ptr as usize as u64
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -52,11 +52,14 @@ pub enum Algorithm {
     /// Reduce-scatter inside each host, all-reduce of each shard between hosts, all-gather
     /// inside each host (see [`Group::set_topology`]).
     Hierarchical,
+    /// Ranks of one host read each other's tensors directly (cross-memory attach), falling
+    /// back to the ring where the kernel does not allow it.
+    Direct,
 }
 
 impl Algorithm {
-    /// Parses `"auto"`, `"ring"`, `"tree"`, `"recursive_doubling"` (`"rd"`) or
-    /// `"hierarchical"`.
+    /// Parses `"auto"`, `"ring"`, `"tree"`, `"recursive_doubling"` (`"rd"`), `"hierarchical"`
+    /// or `"direct"`.
     pub fn from_name(name: &str) -> Result<Algorithm> {
         match name {
             "auto" => Ok(Algorithm::Auto),
@@ -64,8 +67,9 @@ impl Algorithm {
             "tree" => Ok(Algorithm::Tree),
             "recursive_doubling" | "rd" => Ok(Algorithm::RecursiveDoubling),
             "hierarchical" => Ok(Algorithm::Hierarchical),
+            "direct" => Ok(Algorithm::Direct),
             _ => Err(Error::InvalidArgument(format!(
-                "unknown algorithm {name:?}; use auto, ring, tree, recursive_doubling or hierarchical"
+                "unknown algorithm {name:?}; use auto, ring, tree, recursive_doubling, hierarchical or direct"
             ))),
         }
     }
@@ -78,6 +82,7 @@ impl Algorithm {
             Algorithm::Tree => "tree",
             Algorithm::RecursiveDoubling => "recursive_doubling",
             Algorithm::Hierarchical => "hierarchical",
+            Algorithm::Direct => "direct",
         }
     }
 }
@@ -227,6 +232,13 @@ impl<T: Transport> Group<T> {
             .clone()
     }
 
+    /// Whether every peer runs on this host and offered shared memory (every rank gives the
+    /// same answer): the direct all-reduce is then worth trying.
+    fn all_local(&self) -> bool {
+        let t = &self.inner.t;
+        t.world_size() > 1 && (0..t.world_size()).all(|p| p == t.rank() || t.local_pid(p).is_some())
+    }
+
     /// The topology, when the hierarchical algorithms apply to it.
     fn hierarchy(&self) -> Option<Arc<Topology>> {
         let topo = self.topology();
@@ -362,6 +374,8 @@ impl<T: Transport> Group<T> {
                 Algorithm::RecursiveDoubling
             }
             Algorithm::Auto if topo.is_hierarchical() => Algorithm::Hierarchical,
+            // A codec asked for on one host is honoured by the ring (direct reads move raw bytes).
+            Algorithm::Auto if t.codec == Codec::None && self.all_local() => Algorithm::Direct,
             Algorithm::Auto => Algorithm::Ring,
             a => a,
         };
@@ -383,6 +397,7 @@ impl<T: Transport> Group<T> {
                     Algorithm::Hierarchical => {
                         collectives::allreduce_hierarchical(&ctx, &topo, buf, dtype, op).await
                     }
+                    Algorithm::Direct => collectives::allreduce_direct(&ctx, buf, dtype, op).await,
                     _ => collectives::allreduce_ring(&ctx, buf, dtype, op).await,
                 }
             },

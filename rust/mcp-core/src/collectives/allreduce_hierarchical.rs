@@ -17,7 +17,14 @@
 //! `s - 1`. Where the link between hosts is the bottleneck, the intra-host phases then hide
 //! behind it instead of adding to it. Every stage is a separate part of the operation, with
 //! its own steps, so the frames of different stages never share a key.
+//!
+//! Where the ranks of a host can read each other's tensors ([`PeerTensors`]), the intra-host
+//! phases send no frames: owner `i` reduces shard `i` of the stage by reading it from its
+//! local peers, and after the exchange between hosts they copy the finished shard from the
+//! owner, once it says so (one small frame per stage and peer). The rings carry the data only
+//! where the kernel refuses the reads.
 
+use super::peer_tensors::PeerTensors;
 use super::ring_parts::{allgather_parts, reduce_scatter_parts};
 use super::{segments_of, OpCtx};
 use crate::buffer::RawBuf;
@@ -34,6 +41,11 @@ use tokio::sync::mpsc;
 const STAGE_CHUNKS: usize = 4;
 /// Most stages: each takes 4 parts of the operation's step space (256 parts in all).
 pub const MAX_STAGES: usize = 60;
+/// The part in which the ranks of a host agree on direct reads (after every stage's parts).
+const AGREE_PART: u32 = 4 * MAX_STAGES as u32;
+/// The part of "shard of stage `s` is final" signals (step `s`) and, last, "I have read
+/// yours" (step `MAX_STAGES`).
+const SIGNAL_PART: u32 = AGREE_PART + 1;
 
 /// The byte ranges the pipeline moves one after the other: about `STAGE_CHUNKS` frames per
 /// shard owner each, at most [`MAX_STAGES`], every one but the last a whole number of `unit`
@@ -86,14 +98,43 @@ pub async fn allreduce_hierarchical<T: Transport>(
         .map(|range| Stage::new(range, m, host_ranks.len(), local, peers.len(), elem))
         .collect();
 
+    // The ranks of this host read each other's tensors directly if they all can.
+    let mut direct = None;
+    if host_ranks.len() > 1 {
+        let agree = ctx.part(host_ranks, AGREE_PART, true)?;
+        direct = PeerTensors::agree(&agree, buf, dtype).await?;
+    }
+    let signals = ctx.part(host_ranks, SIGNAL_PART, true)?;
+    let locals: Vec<usize> = (0..host_ranks.len()).filter(|&i| i != local).collect();
+    let direct = direct.map(tokio::sync::Mutex::new);
+
     // Three loops, one per phase, each taking the stages in order; a stage passes from one
     // to the next through a channel as soon as its phase is done on this rank.
     let (scattered, mut to_exchange) = mpsc::unbounded_channel::<usize>();
     let (exchanged, mut to_gather) = mpsc::unbounded_channel::<usize>();
     let scatter = async {
         for (s, st) in plan.iter().enumerate() {
-            let inside = ctx.part(host_ranks, part(s, 0), true)?;
-            reduce_scatter_parts(&inside, buf, &st.intra, dtype, part_op).await?;
+            if let Some(d) = &direct {
+                if let Some(own) = st.intra[local].first() {
+                    // SAFETY: our shard of this stage is ours alone until we say it is final;
+                    // the peers' shards of it are their inputs, which they overwrite only
+                    // after our signal.
+                    unsafe {
+                        d.lock().await.reduce_from_all(
+                            &signals,
+                            buf,
+                            own.clone(),
+                            dtype,
+                            part_op,
+                        )?
+                    };
+                }
+                // Let the exchange of the previous stage go on between the reductions.
+                tokio::task::yield_now().await;
+            } else {
+                let inside = ctx.part(host_ranks, part(s, 0), true)?;
+                reduce_scatter_parts(&inside, buf, &st.intra, dtype, part_op).await?;
+            }
             // The receiver only goes when the operation is failing anyway.
             let _ = scattered.send(s);
         }
@@ -116,12 +157,40 @@ pub async fn allreduce_hierarchical<T: Transport>(
     };
     let gather = async {
         while let Some(s) = to_gather.recv().await {
-            let inside = ctx.part(host_ranks, part(s, 3), true)?;
-            allgather_parts(&inside, buf, &plan[s].intra, elem).await?;
+            let Some(d) = &direct else {
+                let inside = ctx.part(host_ranks, part(s, 3), true)?;
+                allgather_parts(&inside, buf, &plan[s].intra, elem).await?;
+                continue;
+            };
+            let intra = &plan[s].intra;
+            if !intra[local].is_empty() {
+                for &i in &locals {
+                    signals.send(i, s as u32, 0, 1, &[1]).await?;
+                }
+            }
+            for &i in &locals {
+                let Some(shard) = intra[i].first() else {
+                    continue;
+                };
+                signals.recv(i, s as u32, 0, 1).await?;
+                // SAFETY: owner i has read this range of every tensor of the host and
+                // finished it (its signal says so): nobody reads ours now, we alone write it.
+                unsafe { d.lock().await.copy_from(&signals, i, buf, shard.clone())? };
+            }
         }
         Ok::<(), Error>(())
     };
     tokio::try_join!(scatter, exchange, gather)?;
+    if direct.is_some() {
+        // Nobody returns (handing its tensor back) while a local peer may still read it.
+        let done = MAX_STAGES as u32;
+        for &i in &locals {
+            signals.send(i, done, 0, 1, &[1]).await?;
+        }
+        for &i in &locals {
+            signals.recv(i, done, 0, 1).await?;
+        }
+    }
 
     if op == ReduceOp::Avg {
         // SAFETY: every network view of the buffer has ended.

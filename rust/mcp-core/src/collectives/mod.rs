@@ -8,6 +8,7 @@
 
 mod allgather_hierarchical;
 mod allgather_ring;
+mod allreduce_direct;
 mod allreduce_hierarchical;
 mod allreduce_recursive_doubling;
 mod allreduce_ring;
@@ -16,12 +17,14 @@ mod barrier;
 mod broadcast;
 mod broadcast_hierarchical;
 mod p2p;
+mod peer_tensors;
 mod reduce_scatter_hierarchical;
 mod reduce_scatter_ring;
 mod ring_parts;
 
 pub use allgather_hierarchical::allgather_hierarchical;
 pub use allgather_ring::allgather_ring;
+pub use allreduce_direct::allreduce_direct;
 pub use allreduce_hierarchical::allreduce_hierarchical;
 pub use allreduce_recursive_doubling::allreduce_recursive_doubling;
 pub use allreduce_ring::allreduce_ring;

@@ -16,6 +16,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod direct;
 mod hierarchical;
 
 fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::wire::{FrameKind, Header};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -32,6 +32,9 @@ struct Net {
     retransmits: AtomicU64,
     /// Payload bytes of operation frames sent, `[src * world + dst]` (first sends only).
     sent: Vec<AtomicU64>,
+    /// The ranks count as processes of one host that may read each other's memory (they
+    /// are all this process): see [`MemTransport::enable_direct_reads`].
+    direct: AtomicBool,
 }
 
 /// One rank's end of an in-memory network.
@@ -39,6 +42,8 @@ pub struct MemTransport {
     rank: usize,
     net: Arc<Net>,
     mailbox: Arc<Mailbox>,
+    /// This rank reads its peers' memory directly (once the network allows it).
+    reads: AtomicBool,
 }
 
 /// Creates `world` connected in-memory transports, one per rank.
@@ -49,6 +54,7 @@ pub fn network(world: usize, chaos: Option<MemChaos>) -> Vec<Arc<MemTransport>> 
         chaos: chaos.map(|c| (c, Mutex::new(StdRng::seed_from_u64(c.seed)))),
         retransmits: AtomicU64::new(0),
         sent: (0..world * world).map(|_| AtomicU64::new(0)).collect(),
+        direct: AtomicBool::new(false),
     });
     mailboxes
         .into_iter()
@@ -58,6 +64,7 @@ pub fn network(world: usize, chaos: Option<MemChaos>) -> Vec<Arc<MemTransport>> 
                 rank,
                 net: net.clone(),
                 mailbox,
+                reads: AtomicBool::new(true),
             })
         })
         .collect()
@@ -102,6 +109,19 @@ fn deliver(net: &Net, to: &Mailbox, header: Header, payload: Vec<u8>, flips: &[O
 }
 
 impl MemTransport {
+    /// Lets the ranks of this network read each other's memory directly, as processes of
+    /// one host do (they are threads of this process, so the reads are real
+    /// `process_vm_readv` calls on our own pid): the direct all-reduce then runs on it.
+    pub fn enable_direct_reads(&self) {
+        self.net.direct.store(true, Ordering::Release);
+    }
+
+    /// This rank declines to read its peers' memory (as a rank with direct reads turned off
+    /// does): operations that would read it directly fall back on every rank.
+    pub fn decline_direct_reads(&self) {
+        self.reads.store(false, Ordering::Release);
+    }
+
     /// Frames sent again, on the whole network, because a receiver found them damaged.
     pub fn retransmits(&self) -> u64 {
         self.net.retransmits.load(Ordering::Relaxed)
@@ -147,6 +167,14 @@ impl Transport for MemTransport {
 
     fn mailbox(&self) -> &Mailbox {
         &self.mailbox
+    }
+
+    fn local_pid(&self, peer: usize) -> Option<u32> {
+        (self.net.direct.load(Ordering::Acquire) && peer < self.world_size()).then(std::process::id)
+    }
+
+    fn reads_peer_memory(&self, peer: usize) -> bool {
+        self.reads.load(Ordering::Acquire) && self.local_pid(peer).is_some()
     }
 
     async fn send_frame<'a>(

@@ -10,6 +10,7 @@ mod mailbox;
 pub mod meeting;
 pub mod mem;
 mod payload;
+pub mod peer_memory;
 pub mod quic;
 pub mod shm;
 
@@ -62,6 +63,22 @@ pub trait Transport: Send + Sync + 'static {
     /// This rank finished collective operation `seq`, successfully or not.
     fn op_finished(&self, seq: u64) {
         let _ = seq;
+    }
+
+    /// The process id of `peer` when it runs on this host and offered shared memory at the
+    /// rendezvous: the same answer on every rank, so that ranks choosing an algorithm by it
+    /// agree. `None` for a peer elsewhere (and on transports without processes).
+    fn local_pid(&self, peer: usize) -> Option<u32> {
+        let _ = peer;
+        None
+    }
+
+    /// Whether this rank will read `peer`'s memory directly (its own policy and state: the
+    /// shared-memory channel to it works and direct reads are not turned off). The kernel may
+    /// still refuse; the algorithms find out with a probe and fall back.
+    fn reads_peer_memory(&self, peer: usize) -> bool {
+        let _ = peer;
+        false
     }
 
     /// Drops every connection now, telling the peers this process left (for a group

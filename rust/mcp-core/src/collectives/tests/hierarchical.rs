@@ -83,6 +83,19 @@ async fn all_reduce_case(
     n: usize,
     chaos: Option<MemChaos>,
 ) {
+    all_reduce_case_reading(hosts, dtype, op, n, chaos, false).await;
+}
+
+/// The hierarchical all-reduce, the ranks of each host reading each other's tensors
+/// directly if `direct`; returns the payload bytes each rank sent to its own host.
+async fn all_reduce_case_reading(
+    hosts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+    n: usize,
+    chaos: Option<MemChaos>,
+    direct: bool,
+) -> Vec<u64> {
     let w = hosts.len();
     let inputs: Vec<Vec<u8>> = (0..w).map(|r| input(dtype, op, r, n, 1)).collect();
     let want = reference(dtype, op, &inputs);
@@ -91,8 +104,12 @@ async fn all_reduce_case(
         let mut buf = inputs[r].clone();
         let shape = shape.clone();
         let t = topo(hosts);
+        let host_of = hosts.to_vec();
         async move {
             g.set_topology(t)?;
+            if direct {
+                g.transport().enable_direct_reads();
+            }
             // SAFETY: `buf` lives, untouched, until the awaited operation has finished.
             let raw = unsafe { RawBuf::from_slice(&mut buf) };
             let t = Tensor {
@@ -101,16 +118,23 @@ async fn all_reduce_case(
                 shape: &shape,
                 codec: Codec::None,
             };
-            g.all_reduce(t, op, Algorithm::Hierarchical)?
-                .await
-                .map(|()| buf)
+            g.all_reduce(t, op, Algorithm::Hierarchical)?.await?;
+            let inside = (0..w)
+                .filter(|&p| host_of[p] == host_of[r])
+                .map(|p| g.transport().payload_bytes_to(p))
+                .sum::<u64>();
+            Ok::<_, Error>((buf, inside))
         }
     })
     .await;
+    let mut inside = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
-        let got = res.unwrap_or_else(|e| panic!("{hosts:?} {dtype} {op} n={n}: rank {r}: {e}"));
+        let (got, bytes) =
+            res.unwrap_or_else(|e| panic!("{hosts:?} {dtype} {op} n={n}: rank {r}: {e}"));
         assert_eq!(got, want, "{hosts:?} {dtype} {op} n={n}: rank {r} differs");
+        inside.push(bytes);
     }
+    inside
 }
 
 async fn broadcast_case(
@@ -324,6 +348,43 @@ async fn hierarchical_all_reduce_in_stages_is_exact_also_under_reordering_and_da
         }
         all_reduce_case(hosts, DType::F32, ReduceOp::Sum, n, reorder(21)).await;
         all_reduce_case(hosts, DType::I32, ReduceOp::Sum, n, damage(22)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hierarchical_all_reduce_reading_local_tensors_directly_is_exact_and_sends_no_data_inside_hosts(
+) {
+    let n = 20_011;
+    for hosts in STAGED.iter().chain(TOPOS.iter()) {
+        for dtype in [DType::F32, DType::F64, DType::I32, DType::BF16] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                if op.check(dtype).is_err() {
+                    continue;
+                }
+                let inside = all_reduce_case_reading(hosts, dtype, op, n, None, true).await;
+                let without = all_reduce_case_reading(hosts, dtype, op, n, None, false).await;
+                for (r, (&d, &f)) in inside.iter().zip(&without).enumerate() {
+                    let locals = hosts.iter().filter(|&&h| h == hosts[r]).count();
+                    if locals == 1 {
+                        assert_eq!((d, f), (0, 0), "{hosts:?}: rank {r} is alone");
+                        continue;
+                    }
+                    // Addresses, verdicts and one signal per stage: under a kilobyte per
+                    // peer, where the rings move the shards themselves.
+                    assert!(
+                        d < 1024 * locals as u64,
+                        "{hosts:?} {dtype}: rank {r}: {d} B"
+                    );
+                    assert!(
+                        f > (n * dtype.size() / 4) as u64,
+                        "{hosts:?}: rank {r}: {f} B"
+                    );
+                }
+            }
+        }
+        // Reordered and damaged frames between hosts, direct reads inside them.
+        all_reduce_case_reading(hosts, DType::F32, ReduceOp::Sum, n, reorder(31), true).await;
+        all_reduce_case_reading(hosts, DType::I32, ReduceOp::Sum, n, damage(32), true).await;
     }
 }
 

@@ -80,6 +80,18 @@ impl QuicTransport {
             .push((peer, why));
     }
 
+    /// The pid of `peer` when the rendezvous says it shares our host and both of us offered
+    /// shared memory (the same answer on every rank).
+    pub(super) fn local_pid_of(&self, peer: usize) -> Option<u32> {
+        let topo = self.topo()?;
+        let me = self.rank;
+        let local = peer != me
+            && topo.host_of_rank.get(peer)? == topo.host_of_rank.get(me)?
+            && *topo.shm.get(peer)?
+            && *topo.shm.get(me)?;
+        local.then(|| topo.pids.get(peer).copied()).flatten()
+    }
+
     /// The usable shared-memory channel to `peer`, if any.
     pub(super) fn shm_link(&self, peer: usize) -> Option<&Link> {
         self.shm_links.get(peer)?.get().filter(|l| l.usable())

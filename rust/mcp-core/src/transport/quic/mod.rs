@@ -120,6 +120,10 @@ pub struct QuicConfig {
     /// Data bytes of each direction's shared-memory ring (default `MCP_SHM_RING_BYTES` or
     /// [`shm::DEFAULT_RING_BYTES`](crate::transport::shm::DEFAULT_RING_BYTES)).
     pub shm_ring_bytes: usize,
+    /// The all-reduce among the ranks of one host reads the peers' tensors directly
+    /// (cross-memory attach) instead of passing frames through the rings (default: on unless
+    /// `MCP_SHM_DIRECT=0`; the kernel may refuse it, and then the rings are used).
+    pub shm_direct: bool,
     /// This process's host identity; `None` computes it (`MCP_HOST_ID`, else host name,
     /// network namespace and boot id: see [`host`](crate::transport::host)).
     pub host_id: Option<String>,
@@ -141,6 +145,11 @@ pub struct QuicConfig {
 /// `MCP_SHM`: anything but `0` (or unset) leaves shared memory on.
 fn shm_from_env() -> bool {
     std::env::var("MCP_SHM").map_or(true, |v| v.trim() != "0")
+}
+
+/// `MCP_SHM_DIRECT`: anything but `0` (or unset) leaves direct reads on.
+fn shm_direct_from_env() -> bool {
+    std::env::var("MCP_SHM_DIRECT").map_or(true, |v| v.trim() != "0")
 }
 
 /// `MCP_SHM_RING_BYTES`, or the default; a value that is not a number reads as 0 (refused
@@ -174,6 +183,7 @@ impl QuicConfig {
             zero_rtt: true,
             shm: shm_from_env(),
             shm_ring_bytes: ring_bytes_from_env(),
+            shm_direct: shm_direct_from_env(),
             host_id: None,
             model_decl: None,
             max_streams: DEFAULT_MAX_STREAMS,
@@ -1609,6 +1619,14 @@ impl Transport for QuicTransport {
 
     fn mailbox(&self) -> &Mailbox {
         &self.mailbox
+    }
+
+    fn local_pid(&self, peer: usize) -> Option<u32> {
+        self.local_pid_of(peer)
+    }
+
+    fn reads_peer_memory(&self, peer: usize) -> bool {
+        self.cfg.shm_direct && self.shm_link(peer).is_some() && self.local_pid_of(peer).is_some()
     }
 
     async fn send_frame<'a>(

@@ -1,0 +1,162 @@
+//! The tensors of the other ranks of this host, read where they lie
+//! ([`peer_memory`]: one kernel copy per byte), for the algorithms that move data inside a
+//! host without frames.
+//!
+//! [`PeerTensors::agree`] exchanges the tensors' addresses among the members of a context and
+//! every member's verdict on whether it can read all the others (a probe read of each): every
+//! member gets the same answer, so all read directly or none does, and those that do not fall
+//! back together, in the same operation.
+
+use super::OpCtx;
+use crate::buffer::RawBuf;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::reduce::reduce_into;
+use crate::transport::peer_memory::{self, PeerReadError};
+use crate::transport::Transport;
+use std::ops::Range;
+
+/// Bytes of a peer's tensor read and reduced at once: fits in L2 beside the destination.
+const PIECE: usize = 512 << 10;
+
+/// Step of the address exchange, within the part the caller gives.
+const ADDRESS: u32 = 0;
+/// Step of the verdicts.
+const VERDICT: u32 = 1;
+
+/// Where each member's tensor lies: (pid, address), by member index (ours unused).
+pub(super) struct PeerTensors {
+    at: Vec<(u32, u64)>,
+    me: usize,
+    elem: usize,
+    scratch: Vec<u64>,
+}
+
+impl PeerTensors {
+    /// Exchanges addresses and verdicts among the members of `ctx` (steps 0 and 1 of its
+    /// part). `Some` when every member can read every other's `buf`; `None`, on every
+    /// member alike, when any cannot.
+    pub(super) async fn agree<T: Transport>(
+        ctx: &OpCtx<'_, T>,
+        buf: RawBuf,
+        dtype: DType,
+    ) -> Result<Option<PeerTensors>> {
+        let (w, me) = (ctx.world(), ctx.rank());
+        let peers: Vec<usize> = (0..w).filter(|&p| p != me).collect();
+        for &p in &peers {
+            ctx.send(p, ADDRESS, 0, 1, &buf.address().to_le_bytes())
+                .await?;
+        }
+        let mut at = vec![(0u32, 0u64); w];
+        for &p in &peers {
+            let m = ctx.recv(p, ADDRESS, 0, 8).await?.to_vec();
+            let bytes: [u8; 8] = m.as_slice().try_into().map_err(|_| {
+                Error::Protocol(format!("rank {p} sent a {}-byte address", m.len()))
+            })?;
+            at[p].1 = u64::from_le_bytes(bytes);
+        }
+        let mut ok = true;
+        for &p in &peers {
+            let rank = ctx.address(p, 0).0;
+            let Some(pid) = ctx
+                .t
+                .local_pid(rank)
+                .filter(|_| ctx.t.reads_peer_memory(rank))
+            else {
+                ok = false;
+                break;
+            };
+            at[p].0 = pid;
+            // One element tells whether the kernel lets us read this peer at all.
+            let mut probe = vec![0u8; dtype.size().min(buf.len())];
+            match peer_memory::read(pid, at[p].1, &mut probe) {
+                Ok(()) => {}
+                Err(PeerReadError::Refused { .. }) => {
+                    ok = false;
+                    break;
+                }
+                Err(e) => return Err(read_error(ctx, p, e)),
+            }
+        }
+        for &p in &peers {
+            ctx.send(p, VERDICT, 0, 1, &[u8::from(ok)]).await?;
+        }
+        for &p in &peers {
+            ok &= ctx.recv(p, VERDICT, 0, 1).await?.to_vec() == [1];
+        }
+        Ok(ok.then(|| PeerTensors {
+            at,
+            me,
+            elem: dtype.size(),
+            scratch: vec![0u64; PIECE.div_ceil(8)],
+        }))
+    }
+
+    /// `buf[range] = op(buf[range], every other member's [range])`, a cache-sized piece at a
+    /// time, the members in index order.
+    ///
+    /// # Safety
+    /// Nothing else may touch `buf[range]` meanwhile, and every other member's `[range]` must
+    /// be final (not written) until this returns.
+    pub(super) unsafe fn reduce_from_all<T: Transport>(
+        &mut self,
+        ctx: &OpCtx<'_, T>,
+        buf: RawBuf,
+        range: Range<usize>,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let piece = (PIECE / self.elem).max(1) * self.elem;
+        let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
+        let mut from = range.start;
+        while from < range.end {
+            let to = (from + piece).min(range.end);
+            // SAFETY: by this function's contract.
+            let dst = unsafe { buf.slice_mut(from..to) };
+            for (p, &(pid, addr)) in self.at.iter().enumerate() {
+                if p == self.me {
+                    continue;
+                }
+                let s = &mut scratch[..to - from];
+                peer_memory::read(pid, addr + from as u64, s).map_err(|e| read_error(ctx, p, e))?;
+                reduce_into(dtype, op, dst, s)?;
+            }
+            from = to;
+        }
+        Ok(())
+    }
+
+    /// Copies member `p`'s `[range]` into `buf[range]`.
+    ///
+    /// # Safety
+    /// Nothing else may touch `buf[range]` meanwhile, and member `p`'s `[range]` must be
+    /// final until this returns.
+    pub(super) unsafe fn copy_from<T: Transport>(
+        &self,
+        ctx: &OpCtx<'_, T>,
+        p: usize,
+        buf: RawBuf,
+        range: Range<usize>,
+    ) -> Result<()> {
+        let (pid, addr) = self.at[p];
+        // SAFETY: by this function's contract.
+        let dst = unsafe { buf.slice_mut(range.clone()) };
+        peer_memory::read(pid, addr + range.start as u64, dst).map_err(|e| read_error(ctx, p, e))
+    }
+}
+
+/// The error a failed read of member `peer`'s tensor becomes.
+fn read_error<T: Transport>(ctx: &OpCtx<'_, T>, peer: usize, e: PeerReadError) -> Error {
+    let op = format!("{} #{}", ctx.kind.op_name(), ctx.seq);
+    let rank = ctx.address(peer, 0).0;
+    match e {
+        PeerReadError::Gone { .. } => Error::PeerLost {
+            rank,
+            op,
+            reason: format!("{e} (its process exited while we read its tensor)"),
+        },
+        _ => Error::Protocol(format!(
+            "{op}: reading rank {rank}'s tensor directly failed: {e}"
+        )),
+    }
+}
