@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 
 BACKENDS = ("mcp", "gloo")
+# The same model stepped without DDP, interleaved with the others: the step with no
+# all-reduce at all, the floor no backend can beat.
+FLOOR = "none"
 
 
 # ---- worker (runs under torchrun) -------------------------------------------------------------
@@ -58,13 +61,15 @@ def worker(args: argparse.Namespace) -> int:
             nn.Linear(args.inputs, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 10)
         )
 
-    models = {b: make() for b in BACKENDS}
-    ddps = {
+    runs = (*BACKENDS, FLOOR)
+    models = {b: make() for b in runs}
+    nets: dict[str, nn.Module] = {
         b: nn.parallel.DistributedDataParallel(models[b], process_group=groups[b]) for b in BACKENDS
     }
-    opts = {b: torch.optim.SGD(ddps[b].parameters(), lr=0.01, momentum=0.9) for b in BACKENDS}
-    gens = {b: torch.Generator().manual_seed(1000 + rank) for b in BACKENDS}
-    times: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    nets[FLOOR] = models[FLOOR]
+    opts = {b: torch.optim.SGD(nets[b].parameters(), lr=0.01, momentum=0.9) for b in runs}
+    gens = {b: torch.Generator().manual_seed(1000 + rank) for b in runs}
+    times: dict[str, list[float]] = {b: [] for b in runs}
     n_params = sum(p.numel() for p in models["mcp"].parameters())
 
     def step(b: str) -> float:
@@ -72,21 +77,21 @@ def worker(args: argparse.Namespace) -> int:
         y = torch.randint(0, 10, (args.batch,), generator=gens[b])
         t0 = time.perf_counter()
         opts[b].zero_grad()
-        nn.functional.cross_entropy(ddps[b](x), y).backward()
+        nn.functional.cross_entropy(nets[b](x), y).backward()
         opts[b].step()
         return time.perf_counter() - t0
 
-    for b in BACKENDS:
+    for b in runs:
         for _ in range(args.warmup):
             step(b)
     block = max(1, args.block)
     done = 0
-    order = list(BACKENDS)
+    order = list(runs)
     t_end = time.monotonic() + args.budget
     while done < args.steps and time.monotonic() < t_end:
         k = min(block, args.steps - done)
         for b in order:
-            dist.barrier(group=groups[b])
+            dist.barrier(group=groups.get(b, groups["gloo"]))
             for _ in range(k):
                 times[b].append(step(b))
         order.reverse()  # neither backend always goes first
@@ -214,9 +219,10 @@ def driver(args: argparse.Namespace) -> int:
                 for b in BACKENDS
                 if res["times"][b]
             }
-            for b in BACKENDS:
-                if res["times"][b]:
-                    rows.append(_row(label, b, res["times"][b], args.batch, res["world"]))
+            for b in (*BACKENDS, FLOOR):
+                if res["times"].get(b):
+                    name = "no DDP (floor)" if b == FLOOR else b
+                    rows.append(_row(label, name, res["times"][b], args.batch, res["world"]))
             t = res["times"]
             if t["mcp"] and t["gloo"]:
                 ratio = statistics.median(t["gloo"]) / statistics.median(t["mcp"])
@@ -225,6 +231,13 @@ def driver(args: argparse.Namespace) -> int:
                     f"training {'bit-identical' if res['same_params'] else 'differ'} "
                     f"(max |diff| {res['max_param_diff']:.2e}); mcp rank 0 sent "
                     f"{res['mcp_bytes_sent_rank0'] / 2**20:.1f} MiB; run took {wall:.0f} s"
+                )
+            if t["gloo"] and t.get(FLOOR):
+                floor = statistics.median(t[FLOOR])
+                notes.append(
+                    f"- {label}: a step without DDP (no all-reduce) takes {1e3 * floor:.2f} ms: "
+                    f"no backend can be more than {statistics.median(t['gloo']) / floor:.2f}x "
+                    "gloo's speed here"
                 )
             grad_mib = res["grad_mib"]
             n_params = res["params"]
