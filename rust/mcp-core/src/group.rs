@@ -239,6 +239,13 @@ impl<T: Transport> Group<T> {
         t.world_size() > 1 && (0..t.world_size()).all(|p| p == t.rank() || t.local_pid(p).is_some())
     }
 
+    /// Whether an operation on `t` (its largest tensor) reads the peers' tensors directly:
+    /// every peer is on this host, `t` is larger than the small-message limit and asks for
+    /// no codec. Every rank gives the same answer.
+    fn reads_directly(&self, t: &Tensor<'_>) -> bool {
+        t.codec == Codec::None && t.buf.len() > self.inner.cfg.small_bytes && self.all_local()
+    }
+
     /// The topology, when the hierarchical algorithms apply to it.
     fn hierarchy(&self) -> Option<Arc<Topology>> {
         let topo = self.topology();
@@ -409,8 +416,9 @@ impl<T: Transport> Group<T> {
         self.open()?;
         t.check("broadcast")?;
         self.check_rank(src, "broadcast source")?;
-        let (buf, elem) = (t.buf, t.dtype.size());
+        let (buf, dtype, elem) = (t.buf, t.dtype, t.dtype.size());
         let hier = self.hierarchy();
+        let direct = hier.is_none() && self.reads_directly(&t);
         let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
         Ok(self.launch(
             FrameKind::Broadcast,
@@ -424,6 +432,7 @@ impl<T: Transport> Group<T> {
                     Some(topo) => {
                         collectives::broadcast_hierarchical(&ctx, &topo, buf, elem, src).await
                     }
+                    None if direct => collectives::broadcast_direct(&ctx, buf, dtype, src).await,
                     None => collectives::broadcast_binomial(&ctx, buf, elem, src).await,
                 }
             },
@@ -445,20 +454,25 @@ impl<T: Transport> Group<T> {
                 out.shape
             )));
         }
-        let (o_buf, i_buf, elem) = (out.buf, input.buf, input.dtype.size());
+        let (o_buf, i_buf, dtype) = (out.buf, input.buf, input.dtype);
+        let elem = dtype.size();
         let hier = self.hierarchy();
+        let direct = hier.is_none() && self.reads_directly(&out);
         let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
         Ok(self.launch(
             FrameKind::AllGather,
             seq,
             input.spec(ReduceOp::None),
-            u32::from(hier.is_some()),
+            variant(hier.is_some(), direct),
             self.all_peers(),
             move |inner, o| async move {
                 let ctx = o.ctx(&*inner.t);
                 match hier {
                     Some(topo) => {
                         collectives::allgather_hierarchical(&ctx, &topo, o_buf, i_buf, elem).await
+                    }
+                    None if direct => {
+                        collectives::allgather_direct(&ctx, o_buf, i_buf, dtype).await
                     }
                     None => collectives::allgather_ring(&ctx, o_buf, i_buf, elem).await,
                 }
@@ -494,12 +508,13 @@ impl<T: Transport> Group<T> {
         }
         let (o_buf, i_buf, dtype) = (out.buf, input.buf, input.dtype);
         let hier = self.hierarchy();
+        let direct = hier.is_none() && self.reads_directly(&input);
         let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel);
         Ok(self.launch(
             FrameKind::ReduceScatter,
             seq,
             out.spec(op),
-            u32::from(hier.is_some()),
+            variant(hier.is_some(), direct),
             self.all_peers(),
             move |inner, o| async move {
                 let ctx = o.ctx(&*inner.t);
@@ -509,6 +524,9 @@ impl<T: Transport> Group<T> {
                             &ctx, &topo, o_buf, i_buf, dtype, op,
                         )
                         .await
+                    }
+                    None if direct => {
+                        collectives::reduce_scatter_direct(&ctx, o_buf, i_buf, dtype, op).await
                     }
                     None => collectives::reduce_scatter_ring(&ctx, o_buf, i_buf, dtype, op).await,
                 }
@@ -674,6 +692,16 @@ impl<T: Transport> Group<T> {
         (0..self.world_size())
             .filter(|&p| p != self.rank())
             .collect()
+    }
+}
+
+/// What an all-gather's or reduce-scatter's frames say about its algorithm (every rank must
+/// run the same): 0 the ring, 1 hierarchical, 2 direct reads.
+fn variant(hierarchical: bool, direct: bool) -> u32 {
+    match (hierarchical, direct) {
+        (true, _) => 1,
+        (false, true) => 2,
+        (false, false) => 0,
     }
 }
 

@@ -67,7 +67,7 @@ pub async fn allreduce_direct<T: Transport>(
     // SAFETY: segment r of our tensor is ours alone until we say it is final, and the peers'
     // segments r are their inputs, untouched until we say so (they write segment r of their
     // tensors only after our FINAL).
-    unsafe { tensors.reduce_from_all(ctx, buf, mine.clone(), dtype, op)? };
+    unsafe { tensors.reduce_from_all(ctx, mine.clone(), buf.slice_mut(mine.clone()), dtype, op)? };
     if op == ReduceOp::Avg {
         // SAFETY: as above; the peers copy segment r only once it is final.
         finish_avg(dtype, unsafe { buf.slice_mut(mine) }, w)?;
@@ -80,7 +80,7 @@ pub async fn allreduce_direct<T: Transport>(
         // SAFETY: owner p has read segment p of every tensor (it says so by FINAL), so this
         // range of ours is read by nobody now and we are its only writer; p's segment p is
         // final.
-        unsafe { tensors.copy_from(ctx, p, buf, segs[p].clone())? };
+        unsafe { tensors.read(ctx, p, segs[p].start, buf.slice_mut(segs[p].clone()))? };
     }
     for &p in &peers {
         ctx.send(p, READ, 0, 1, &[1]).await?;

@@ -120,10 +120,11 @@ pub async fn allreduce_hierarchical<T: Transport>(
                     // the peers' shards of it are their inputs, which they overwrite only
                     // after our signal.
                     unsafe {
+                        let dst = buf.slice_mut(own.clone());
                         d.lock().await.reduce_from_all(
                             &signals,
-                            buf,
                             own.clone(),
+                            dst,
                             dtype,
                             part_op,
                         )?
@@ -175,7 +176,10 @@ pub async fn allreduce_hierarchical<T: Transport>(
                 signals.recv(i, s as u32, 0, 1).await?;
                 // SAFETY: owner i has read this range of every tensor of the host and
                 // finished it (its signal says so): nobody reads ours now, we alone write it.
-                unsafe { d.lock().await.copy_from(&signals, i, buf, shard.clone())? };
+                unsafe {
+                    let dst = buf.slice_mut(shard.clone());
+                    d.lock().await.read(&signals, i, shard.start, dst)?
+                };
             }
         }
         Ok::<(), Error>(())

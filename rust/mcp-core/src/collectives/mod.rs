@@ -6,6 +6,7 @@
 //! chunks (aligned to elements) that are forwarded as soon as each one is ready, so sending,
 //! receiving and reducing overlap.
 
+mod allgather_direct;
 mod allgather_hierarchical;
 mod allgather_ring;
 mod allreduce_direct;
@@ -15,13 +16,16 @@ mod allreduce_ring;
 mod allreduce_tree;
 mod barrier;
 mod broadcast;
+mod broadcast_direct;
 mod broadcast_hierarchical;
 mod p2p;
 mod peer_tensors;
+mod reduce_scatter_direct;
 mod reduce_scatter_hierarchical;
 mod reduce_scatter_ring;
 mod ring_parts;
 
+pub use allgather_direct::allgather_direct;
 pub use allgather_hierarchical::allgather_hierarchical;
 pub use allgather_ring::allgather_ring;
 pub use allreduce_direct::allreduce_direct;
@@ -31,8 +35,10 @@ pub use allreduce_ring::allreduce_ring;
 pub use allreduce_tree::allreduce_tree;
 pub use barrier::barrier_dissemination;
 pub use broadcast::broadcast_binomial;
+pub use broadcast_direct::broadcast_direct;
 pub use broadcast_hierarchical::broadcast_hierarchical;
 pub use p2p::{recv, send};
+pub use reduce_scatter_direct::reduce_scatter_direct;
 pub use reduce_scatter_hierarchical::reduce_scatter_hierarchical;
 pub use reduce_scatter_ring::reduce_scatter_ring;
 

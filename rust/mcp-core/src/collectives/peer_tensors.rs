@@ -92,56 +92,78 @@ impl PeerTensors {
         }))
     }
 
-    /// `buf[range] = op(buf[range], every other member's [range])`, a cache-sized piece at a
-    /// time, the members in index order.
+    /// `dst = op(dst, every other member's bytes at [src])`, a cache-sized piece at a time,
+    /// the members in index order.
     ///
     /// # Safety
-    /// Nothing else may touch `buf[range]` meanwhile, and every other member's `[range]` must
-    /// be final (not written) until this returns.
+    /// Every other member's `[src]` must be final (not written) until this returns.
     pub(super) unsafe fn reduce_from_all<T: Transport>(
         &mut self,
         ctx: &OpCtx<'_, T>,
-        buf: RawBuf,
-        range: Range<usize>,
+        src: Range<usize>,
+        dst: &mut [u8],
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
+        if dst.len() != src.len() {
+            return Err(Error::InvalidArgument(format!(
+                "a direct reduce of {} bytes into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
         let piece = (PIECE / self.elem).max(1) * self.elem;
-        let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch);
-        let mut from = range.start;
-        while from < range.end {
-            let to = (from + piece).min(range.end);
-            // SAFETY: by this function's contract.
-            let dst = unsafe { buf.slice_mut(from..to) };
-            for (p, &(pid, addr)) in self.at.iter().enumerate() {
+        let mut words = std::mem::take(&mut self.scratch);
+        // SAFETY: this function's contract is the helper's.
+        let res = unsafe { self.reduce_through(ctx, src, dst, dtype, op, piece, &mut words) };
+        self.scratch = words;
+        res
+    }
+
+    /// [`Self::reduce_from_all`] through `words` of scratch.
+    ///
+    /// # Safety
+    /// As for [`Self::reduce_from_all`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reduce_through<T: Transport>(
+        &self,
+        ctx: &OpCtx<'_, T>,
+        src: Range<usize>,
+        dst: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        piece: usize,
+        words: &mut [u64],
+    ) -> Result<()> {
+        let scratch: &mut [u8] = bytemuck::cast_slice_mut(words);
+        for (i, d) in dst.chunks_mut(piece).enumerate() {
+            let from = src.start + i * piece;
+            for p in 0..self.at.len() {
                 if p == self.me {
                     continue;
                 }
-                let s = &mut scratch[..to - from];
-                peer_memory::read(pid, addr + from as u64, s).map_err(|e| read_error(ctx, p, e))?;
-                reduce_into(dtype, op, dst, s)?;
+                let s = &mut scratch[..d.len()];
+                // SAFETY: by this function's contract.
+                unsafe { self.read(ctx, p, from, s)? };
+                reduce_into(dtype, op, d, s)?;
             }
-            from = to;
         }
         Ok(())
     }
 
-    /// Copies member `p`'s `[range]` into `buf[range]`.
+    /// Copies the bytes at offset `offset` of member `p`'s tensor into `dst`.
     ///
     /// # Safety
-    /// Nothing else may touch `buf[range]` meanwhile, and member `p`'s `[range]` must be
-    /// final until this returns.
-    pub(super) unsafe fn copy_from<T: Transport>(
+    /// Member `p`'s `[offset, offset + dst.len())` must be final until this returns.
+    pub(super) unsafe fn read<T: Transport>(
         &self,
         ctx: &OpCtx<'_, T>,
         p: usize,
-        buf: RawBuf,
-        range: Range<usize>,
+        offset: usize,
+        dst: &mut [u8],
     ) -> Result<()> {
         let (pid, addr) = self.at[p];
-        // SAFETY: by this function's contract.
-        let dst = unsafe { buf.slice_mut(range.clone()) };
-        peer_memory::read(pid, addr + range.start as u64, dst).map_err(|e| read_error(ctx, p, e))
+        peer_memory::read(pid, addr + offset as u64, dst).map_err(|e| read_error(ctx, p, e))
     }
 }
 

@@ -187,3 +187,243 @@ async fn a_peer_that_dies_is_named_by_the_survivor() {
         other => panic!("rank 0: expected PeerLost naming rank 1, got {other:?}"),
     }
 }
+
+/// Sets up rank `r` of a one-host world for direct reads (declining if it is in `declines`).
+fn reads(g: &Group<MemTransport>, r: usize, declines: &[usize]) {
+    g.transport().enable_direct_reads();
+    if declines.contains(&r) {
+        g.transport().decline_direct_reads();
+    }
+}
+
+fn sent(g: &Group<MemTransport>) -> u64 {
+    (0..g.world_size())
+        .map(|p| g.transport().payload_bytes_to(p))
+        .sum()
+}
+
+/// All-gather of `n` elements per rank; `in_place`: each input is its own block of the
+/// output. Returns the payload bytes each rank sent.
+async fn all_gather(
+    w: usize,
+    dtype: DType,
+    n: usize,
+    in_place: bool,
+    declines: &[usize],
+) -> Vec<u64> {
+    let size = dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..w)
+        .map(|r| input(dtype, ReduceOp::Sum, r, n, 5))
+        .collect();
+    let want = inputs.concat();
+    let (ishape, oshape) = (vec![n as u64], vec![w as u64, n as u64]);
+    let declines = declines.to_vec();
+    let results = run_world(w, None, cfg(), |g: Group<MemTransport>, r| {
+        let mut inp = inputs[r].clone();
+        let mut out = vec![0u8; n * size * w];
+        if in_place {
+            out[r * n * size..(r + 1) * n * size].copy_from_slice(&inp);
+        }
+        let (ishape, oshape) = (ishape.clone(), oshape.clone());
+        let declines = declines.clone();
+        async move {
+            reads(&g, r, &declines);
+            // SAFETY: both buffers outlive the awaited operation; in place, the input is
+            // exactly block r of the output, which the all-gather allows.
+            let (i, o) = unsafe {
+                let o = RawBuf::from_slice(&mut out);
+                let i = if in_place {
+                    RawBuf::new(out.as_mut_ptr().add(r * n * size), n * size)
+                } else {
+                    RawBuf::from_slice(&mut inp)
+                };
+                (i, o)
+            };
+            let it = Tensor {
+                buf: i,
+                dtype,
+                shape: &ishape,
+                codec: Codec::None,
+            };
+            let ot = Tensor {
+                buf: o,
+                dtype,
+                shape: &oshape,
+                codec: Codec::None,
+            };
+            g.all_gather(ot, it)?.await?;
+            Ok::<_, Error>((out, sent(&g)))
+        }
+    })
+    .await;
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| {
+            let (got, sent) = res.unwrap_or_else(|e| panic!("w={w} {dtype} n={n}: rank {r}: {e}"));
+            assert!(
+                got == want,
+                "w={w} {dtype} n={n} in_place={in_place}: rank {r} differs"
+            );
+            sent
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_all_gather_is_exact_in_and_out_of_place_and_sends_no_data() {
+    for w in 2..=5 {
+        for dtype in [DType::F32, DType::I8, DType::C128, DType::Bool, DType::BF16] {
+            for n in [1, 7, 20_011] {
+                for in_place in [false, true] {
+                    let out = all_gather(w, dtype, n, in_place, &[]).await;
+                    if n * dtype.size() * w > cfg().small_bytes {
+                        // Per peer: an address, a verdict and "read".
+                        assert!(out.iter().all(|&s| s == 10 * (w as u64 - 1)), "{out:?}");
+                    }
+                }
+            }
+        }
+        let out = all_gather(w, DType::F32, 20_011, false, &[w - 1]).await;
+        assert!(
+            out.iter().all(|&s| s >= (20_011 * 4 * (w - 1)) as u64),
+            "{out:?}"
+        );
+    }
+}
+
+async fn broadcast(w: usize, root: usize, dtype: DType, n: usize, declines: &[usize]) -> Vec<u64> {
+    let want = input(dtype, ReduceOp::Sum, root, n, 3);
+    let shape = vec![n as u64];
+    let declines = declines.to_vec();
+    let results = run_world(w, None, cfg(), |g: Group<MemTransport>, r| {
+        let mut buf = if r == root {
+            want.clone()
+        } else {
+            vec![0u8; want.len()]
+        };
+        let shape = shape.clone();
+        let declines = declines.clone();
+        async move {
+            reads(&g, r, &declines);
+            // SAFETY: `buf` outlives the awaited operation.
+            let t = Tensor {
+                buf: unsafe { RawBuf::from_slice(&mut buf) },
+                dtype,
+                shape: &shape,
+                codec: Codec::None,
+            };
+            g.broadcast(t, root)?.await?;
+            Ok::<_, Error>((buf, sent(&g)))
+        }
+    })
+    .await;
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| {
+            let (got, sent) = res.unwrap_or_else(|e| panic!("w={w} root={root}: rank {r}: {e}"));
+            assert!(
+                got == want,
+                "w={w} root={root} {dtype} n={n}: rank {r} differs"
+            );
+            sent
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_broadcast_from_every_root_is_exact_and_sends_no_data() {
+    for w in 2..=5 {
+        for root in 0..w {
+            for (dtype, n) in [(DType::I64, 3), (DType::F16, 30_001), (DType::U8, 100_000)] {
+                let out = broadcast(w, root, dtype, n, &[]).await;
+                if n * dtype.size() > cfg().small_bytes {
+                    assert!(out.iter().all(|&s| s <= 10 * (w as u64 - 1)), "{out:?}");
+                }
+            }
+        }
+        let out = broadcast(w, 0, DType::F32, 30_001, &[1]).await;
+        assert!(out[0] >= 30_001 * 4, "the root sent {}", out[0]);
+    }
+}
+
+async fn reduce_scatter(
+    w: usize,
+    dtype: DType,
+    op: ReduceOp,
+    n: usize,
+    declines: &[usize],
+) -> Vec<u64> {
+    let size = dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..w).map(|r| input(dtype, op, r, n * w, 7)).collect();
+    let full = reference(dtype, op, &inputs);
+    let (ishape, oshape) = (vec![(n * w) as u64], vec![n as u64]);
+    let declines = declines.to_vec();
+    let results = run_world(w, None, cfg(), |g: Group<MemTransport>, r| {
+        let mut inp = inputs[r].clone();
+        let mut out = vec![0u8; n * size];
+        let (ishape, oshape) = (ishape.clone(), oshape.clone());
+        let declines = declines.clone();
+        async move {
+            reads(&g, r, &declines);
+            // SAFETY: both buffers outlive the awaited operation.
+            let (i, o) = unsafe { (RawBuf::from_slice(&mut inp), RawBuf::from_slice(&mut out)) };
+            let it = Tensor {
+                buf: i,
+                dtype,
+                shape: &ishape,
+                codec: Codec::None,
+            };
+            let ot = Tensor {
+                buf: o,
+                dtype,
+                shape: &oshape,
+                codec: Codec::None,
+            };
+            g.reduce_scatter(ot, it, op)?.await?;
+            assert!(
+                inp == input(dtype, op, r, n * w, 7),
+                "the input is left as it was"
+            );
+            Ok::<_, Error>((out, sent(&g)))
+        }
+    })
+    .await;
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| {
+            let (got, sent) = res.unwrap_or_else(|e| panic!("w={w} {dtype} {op}: rank {r}: {e}"));
+            assert!(
+                got[..] == full[r * n * size..(r + 1) * n * size],
+                "w={w} {dtype} {op} n={n}: rank {r} differs"
+            );
+            sent
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_reduce_scatter_is_exact_for_every_dtype_and_op_and_sends_no_data() {
+    for w in 2..=5 {
+        for dtype in DType::ALL {
+            for op in OPS {
+                if op.check(dtype).is_err() {
+                    continue;
+                }
+                for n in [1, 5000] {
+                    let out = reduce_scatter(w, dtype, op, n, &[]).await;
+                    if n * w * dtype.size() > cfg().small_bytes {
+                        assert!(out.iter().all(|&s| s == 10 * (w as u64 - 1)), "{out:?}");
+                    }
+                }
+            }
+        }
+        let out = reduce_scatter(w, DType::F32, ReduceOp::Sum, 5000, &[0]).await;
+        assert!(
+            out.iter().all(|&s| s >= (5000 * 4 * (w - 1)) as u64),
+            "{out:?}"
+        );
+    }
+}
