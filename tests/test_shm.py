@@ -18,6 +18,7 @@ import pytest
 import _netns
 import mcp_fast as mcp
 from _launch import free_port, ok, run
+from _peer_reads import sibling_reads_allowed
 from test_collectives import reduce_ref
 from workers import DTYPES, OPS, data
 
@@ -80,42 +81,13 @@ def test_every_collective_over_shared_memory_is_bit_exact(world: int) -> None:
     assert _dev_shm() == shm_before, "nothing is ever created in /dev/shm"
 
 
-PROBE = """
-import ctypes, sys
-pid = int(sys.argv[1])
-start = int(open(f"/proc/{pid}/maps").readline().split("-")[0], 16)
-buf = ctypes.create_string_buffer(8)
-class Iov(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-libc = ctypes.CDLL(None, use_errno=True)
-n = libc.process_vm_readv(pid, ctypes.byref(Iov(ctypes.addressof(buf), 8)), 1,
-                          ctypes.byref(Iov(start, 8)), 1, 0)
-sys.exit(0 if n == 8 else 1)
-"""
-
-
-def _kernel_allows_sibling_reads() -> bool:
-    """Whether one process may read a sibling's memory here (ptrace rules, seccomp), as the
-    ranks of a job, children of one launcher, would."""
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        time.sleep(0.2)
-        return (
-            subprocess.run([sys.executable, "-c", PROBE, str(sleeper.pid)], timeout=30).returncode
-            == 0
-        )
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-
-
 @pytest.mark.parametrize("declines", [[], [1], [0, 2]], ids=["all-read", "one-declines", "two"])
 def test_ranks_of_one_host_read_each_other_directly_unless_one_declines(declines: list) -> None:
     world = 3
     results = ok(run("shm_workers.direct_reads", world, declines, timeout=120))
     want_sum = reduce_ref([data("float32", "sum", r, 300_001) for r in range(world)], "sum")
     want_avg = reduce_ref([data("float64", "avg", r, 1 << 20) for r in range(world)], "avg")
-    direct = not declines and _kernel_allows_sibling_reads()
+    direct = not declines and sibling_reads_allowed()
     for out in results:
         np.testing.assert_array_equal(out["sum"], want_sum)
         np.testing.assert_array_equal(out["avg"], want_avg)

@@ -21,7 +21,7 @@ training; checkpoints = their size over the disks' bandwidth. A ring too large t
 within ``--max-frames`` is simulated at two smaller sizes and extrapolated by the ring's cost
 form (marked ``~``).
 
-``mcp-sim validate [--data DIR] [--json OUT] [--seed N] [--shm-gbps 20]`` compares the
+``mcp-sim validate [--data DIR] [--json OUT] [--seed N] [--shm-gbps 46.4]`` compares the
 simulator's predictions with what ``benches/`` measured on this machine
 (``docs/data/hosts_clean.json``, ``hosts_1gbit.json``, ``loss.json``): it calibrates a few
 link figures openly from those files (see :func:`calibrate`), predicts every measured row
@@ -481,9 +481,10 @@ DATA_FILES = {
 #: Predictions within this share of the measurement count as matching (issue 16).
 TOLERANCE = 0.15
 #: Shared memory between two ranks of one host: the bus bandwidth docs/shared-memory.md
-#: measured for a 64 MiB all-reduce of 2 ranks on this machine (2.50 GB/s). No file under
-#: docs/data holds it, so it is an input, printed with the calibration.
-SHM_GBPS = 20.0
+#: measured for a 64 MiB all-reduce of 2 ranks on this machine reading each other's tensors
+#: directly (5.80 GB/s). No file under docs/data holds it, so it is an input, printed with
+#: the calibration.
+SHM_GBPS = 46.4
 
 
 def default_data_dir() -> Path:
@@ -651,7 +652,7 @@ def calibrate(data: dict[str, dict[str, Any]], *, shm_gbps: float, seed: int) ->
         "veth_1g_gbps": "hosts_1gbit meta quic_both_ways_gbit_s",
         "veth_1g_rtt_s": "hosts_1gbit meta ping_median_s",
         "overhead_s": f"hosts_clean, 1 rank/host, {smallest['bytes']} B: measured - simulated",
-        "shm_gbps": "docs/shared-memory.md: 2.50 GB/s bus bandwidth, 2 ranks, 64 MiB",
+        "shm_gbps": "docs/shared-memory.md: 5.80 GB/s bus bandwidth, 2 ranks, 64 MiB, direct reads",
         "loopback_gbps": "loss.json, each world's 0 % loss row (its meta has no path limits)",
         "loopback_rtt_s": "the veth's ping_median_s (loopback's own was not measured)",
     }
