@@ -126,4 +126,10 @@ def direct_reads(rank: int, world: int, declines: list[int]) -> dict:
         g.all_reduce(a)
         b = data("float64", "avg", rank, 1 << 20)
         g.all_reduce(b, op="avg")
-        return {"sum": a, "avg": b, "ring_bytes": g.shm_stats()["bytes_sent"] - before}
+        st = g.shm_stats()
+        return {
+            "sum": a,
+            "avg": b,
+            "ring_bytes": st["bytes_sent"] - before,
+            "direct": (st["direct_ops"], st["direct_fallbacks"]),
+        }

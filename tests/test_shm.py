@@ -94,9 +94,11 @@ def test_ranks_of_one_host_read_each_other_directly_unless_one_declines(declines
         if not direct:
             # Every rank fell back to the ring in the same operation: the data crossed the rings.
             assert out["ring_bytes"] > 8 << 20, out["ring_bytes"]
+            assert out["direct"] == (0, 2), out["direct"]
         else:
             # Only the small frames that order the reads went through the rings.
             assert out["ring_bytes"] < 64 << 10, out["ring_bytes"]
+            assert out["direct"] == (2, 0), out["direct"]
 
 
 def test_host_ids_split_loopback_ranks_into_hosts() -> None:

@@ -209,7 +209,10 @@ class Group:
 
     def shm_stats(self) -> dict[str, int]:
         """The shared-memory path's counters: ``frames_sent``, ``bytes_sent``,
-        ``frames_received``, ``bytes_received`` (not counted in :meth:`stats`)."""
+        ``frames_received``, ``bytes_received`` (not counted in :meth:`stats`); and
+        ``direct_ops``, the operations whose data this rank read straight from its local peers'
+        tensors, and ``direct_fallbacks``, those that would have but ran through the rings
+        because some rank could not read (the kernel's ptrace rules, ``MCP_SHM_DIRECT=0``)."""
         return self.core.shm_stats()
 
     def total_bytes_sent(self) -> int:

@@ -362,7 +362,8 @@ impl ProcessGroup {
         self.group.transport().shm_fallbacks()
     }
 
-    /// The shared-memory path's counters: frames and bytes sent and received through it.
+    /// The shared-memory path's counters: frames and bytes sent and received through it, and
+    /// operations that read the local peers' tensors directly or fell back to the rings.
     fn shm_stats(&self) -> std::collections::HashMap<&'static str, u64> {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.group.transport().stats();
@@ -371,6 +372,8 @@ impl ProcessGroup {
             ("bytes_sent", s.shm_bytes_sent.load(Relaxed)),
             ("frames_received", s.shm_frames_received.load(Relaxed)),
             ("bytes_received", s.shm_bytes_received.load(Relaxed)),
+            ("direct_ops", s.direct_ops.load(Relaxed)),
+            ("direct_fallbacks", s.direct_fallbacks.load(Relaxed)),
         ]
         .into_iter()
         .collect()

@@ -84,6 +84,7 @@ impl PeerTensors {
         for &p in &peers {
             ok &= ctx.recv(p, VERDICT, 0, 1).await?.to_vec() == [1];
         }
+        ctx.t.direct_reads_agreed(ok);
         Ok(ok.then(|| PeerTensors {
             at,
             me,

@@ -81,6 +81,12 @@ pub trait Transport: Send + Sync + 'static {
         false
     }
 
+    /// The ranks of an operation agreed to read each other's tensors directly (`read`) or to
+    /// use the rings instead (for the transport's counters).
+    fn direct_reads_agreed(&self, read: bool) {
+        let _ = read;
+    }
+
     /// Drops every connection now, telling the peers this process left (for a group
     /// abandoned after a failure: nothing in flight is worth delivering any more).
     fn leave_now(&self) {}

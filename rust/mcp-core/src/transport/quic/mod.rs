@@ -253,6 +253,12 @@ pub struct QuicStats {
     pub shm_frames_received: AtomicU64,
     /// Frame bytes read out of shared memory.
     pub shm_bytes_received: AtomicU64,
+    /// Operations (or hierarchical phases) whose data this rank read straight from its
+    /// local peers' tensors.
+    pub direct_ops: AtomicU64,
+    /// Operations that would have read directly but ran through the rings, because some
+    /// rank could not read a peer (the kernel refused, `MCP_SHM_DIRECT=0`, no channel).
+    pub direct_fallbacks: AtomicU64,
 }
 
 /// Where every rank runs, as the rendezvous told.
@@ -1627,6 +1633,15 @@ impl Transport for QuicTransport {
 
     fn reads_peer_memory(&self, peer: usize) -> bool {
         self.cfg.shm_direct && self.shm_link(peer).is_some() && self.local_pid_of(peer).is_some()
+    }
+
+    fn direct_reads_agreed(&self, read: bool) {
+        let n = if read {
+            &self.stats.direct_ops
+        } else {
+            &self.stats.direct_fallbacks
+        };
+        n.fetch_add(1, Ordering::Relaxed);
     }
 
     async fn send_frame<'a>(
