@@ -35,7 +35,7 @@ pub async fn allgather_direct<T: Transport>(
     if w == 1 || input.is_empty() || out.len() != input.len() * w {
         return allgather_ring(ctx, out, input, elem).await;
     }
-    let Some(tensors) = PeerTensors::agree(ctx, input, dtype).await? else {
+    let Some(tensors) = PeerTensors::agree(ctx, input, dtype.size()).await? else {
         let all: Vec<usize> = (0..w).collect();
         return allgather_ring(&ctx.part(&all, FALLBACK_PART, false)?, out, input, elem).await;
     };

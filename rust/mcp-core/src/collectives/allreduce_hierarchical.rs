@@ -102,7 +102,7 @@ pub async fn allreduce_hierarchical<T: Transport>(
     let mut direct = None;
     if host_ranks.len() > 1 {
         let agree = ctx.part(host_ranks, AGREE_PART, true)?;
-        direct = PeerTensors::agree(&agree, buf, dtype).await?;
+        direct = PeerTensors::agree(&agree, buf, dtype.size()).await?;
     }
     let signals = ctx.part(host_ranks, SIGNAL_PART, true)?;
     let locals: Vec<usize> = (0..host_ranks.len()).filter(|&i| i != local).collect();

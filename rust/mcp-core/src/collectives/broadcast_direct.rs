@@ -33,7 +33,7 @@ pub async fn broadcast_direct<T: Transport>(
     if w == 1 || buf.is_empty() {
         return broadcast_binomial(ctx, buf, elem, root).await;
     }
-    let Some(tensors) = PeerTensors::agree(ctx, buf, dtype).await? else {
+    let Some(tensors) = PeerTensors::agree(ctx, buf, dtype.size()).await? else {
         let all: Vec<usize> = (0..w).collect();
         return broadcast_binomial(&ctx.part(&all, FALLBACK_PART, false)?, buf, elem, root).await;
     };

@@ -34,12 +34,12 @@ pub(super) struct PeerTensors {
 
 impl PeerTensors {
     /// Exchanges addresses and verdicts among the members of `ctx` (steps 0 and 1 of its
-    /// part). `Some` when every member can read every other's `buf`; `None`, on every
-    /// member alike, when any cannot.
+    /// part) for `buf` of `elem`-byte elements. `Some` when every member can read every
+    /// other's `buf`; `None`, on every member alike, when any cannot.
     pub(super) async fn agree<T: Transport>(
         ctx: &OpCtx<'_, T>,
         buf: RawBuf,
-        dtype: DType,
+        elem: usize,
     ) -> Result<Option<PeerTensors>> {
         let (w, me) = (ctx.world(), ctx.rank());
         let peers: Vec<usize> = (0..w).filter(|&p| p != me).collect();
@@ -68,7 +68,7 @@ impl PeerTensors {
             };
             at[p].0 = pid;
             // One element tells whether the kernel lets us read this peer at all.
-            let mut probe = vec![0u8; dtype.size().min(buf.len())];
+            let mut probe = vec![0u8; elem.min(buf.len())];
             match peer_memory::read(pid, at[p].1, &mut probe) {
                 Ok(()) => {}
                 Err(PeerReadError::Refused { .. }) => {
@@ -88,7 +88,7 @@ impl PeerTensors {
         Ok(ok.then(|| PeerTensors {
             at,
             me,
-            elem: dtype.size(),
+            elem: elem.max(1),
             scratch: vec![0u64; PIECE.div_ceil(8)],
         }))
     }

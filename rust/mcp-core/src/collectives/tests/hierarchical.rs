@@ -5,6 +5,7 @@
 use super::{as_f32, cfg, f32_bytes, input, noisy, reference, run_world, OPS};
 use crate::buffer::RawBuf;
 use crate::collectives::allreduce_hierarchical::{stages, MAX_STAGES};
+use crate::collectives::broadcast_hierarchical::DIRECT_MIN;
 use crate::collectives::{
     allgather_hierarchical, broadcast_hierarchical, reduce_scatter_hierarchical, OpCtx,
 };
@@ -144,6 +145,19 @@ async fn broadcast_case(
     n: usize,
     chaos: Option<MemChaos>,
 ) {
+    broadcast_case_reading(hosts, root, dtype, n, chaos, false).await;
+}
+
+/// The hierarchical broadcast, the ranks of each host reading their leader's tensor
+/// directly if `direct`; returns the payload bytes each rank sent to its own host.
+async fn broadcast_case_reading(
+    hosts: &[usize],
+    root: usize,
+    dtype: DType,
+    n: usize,
+    chaos: Option<MemChaos>,
+    direct: bool,
+) -> Vec<u64> {
     let w = hosts.len();
     let want = input(dtype, ReduceOp::Sum, root, n, 3);
     let shape = vec![n as u64];
@@ -154,9 +168,13 @@ async fn broadcast_case(
             vec![0u8; want.len()]
         };
         let (shape, t) = (shape.clone(), topo(hosts));
+        let host_of = hosts.to_vec();
         async move {
             let tr = g.transport().clone();
-            let ctx = direct(
+            if direct {
+                tr.enable_direct_reads();
+            }
+            let ctx = self::direct(
                 &tr,
                 FrameKind::Broadcast,
                 dtype,
@@ -167,16 +185,23 @@ async fn broadcast_case(
             );
             // SAFETY: `buf` outlives the awaited operation.
             let raw = unsafe { RawBuf::from_slice(&mut buf) };
-            broadcast_hierarchical(&ctx, &t, raw, dtype.size(), root)
-                .await
-                .map(|()| buf)
+            broadcast_hierarchical(&ctx, &t, raw, dtype.size(), root).await?;
+            let inside = (0..w)
+                .filter(|&p| host_of[p] == host_of[r])
+                .map(|p| tr.payload_bytes_to(p))
+                .sum::<u64>();
+            Ok::<_, Error>((buf, inside))
         }
     })
     .await;
+    let mut inside = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
-        let got = res.unwrap_or_else(|e| panic!("{hosts:?} root={root} n={n}: rank {r}: {e}"));
+        let (got, bytes) =
+            res.unwrap_or_else(|e| panic!("{hosts:?} root={root} n={n}: rank {r}: {e}"));
         assert_eq!(got, want, "{hosts:?} root={root} {dtype} n={n}: rank {r}");
+        inside.push(bytes);
     }
+    inside
 }
 
 async fn all_gather_case(hosts: &[usize], dtype: DType, n: usize, chaos: Option<MemChaos>) {
@@ -385,6 +410,38 @@ async fn hierarchical_all_reduce_reading_local_tensors_directly_is_exact_and_sen
         // Reordered and damaged frames between hosts, direct reads inside them.
         all_reduce_case_reading(hosts, DType::F32, ReduceOp::Sum, n, reorder(31), true).await;
         all_reduce_case_reading(hosts, DType::I32, ReduceOp::Sum, n, damage(32), true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hierarchical_broadcast_reading_the_leader_directly_is_exact_and_sends_no_data_inside_hosts(
+) {
+    for hosts in TOPOS {
+        for root in 0..hosts.len() {
+            for (dtype, n) in [(DType::F32, 40_000), (DType::U8, 100), (DType::F64, 0)] {
+                let read = broadcast_case_reading(hosts, root, dtype, n, None, true).await;
+                let rings = broadcast_case_reading(hosts, root, dtype, n, None, false).await;
+                if n * dtype.size() <= DIRECT_MIN {
+                    assert_eq!(read, rings, "{hosts:?}: small tensors take the tree");
+                    continue;
+                }
+                for (r, &d) in read.iter().enumerate() {
+                    // Addresses, verdicts and one signal: tens of bytes per local peer.
+                    let locals = hosts.iter().filter(|&&h| h == hosts[r]).count() as u64;
+                    assert!(d <= 16 * locals, "{hosts:?} root={root}: rank {r}: {d} B");
+                }
+                let (d, f) = (read.iter().sum::<u64>(), rings.iter().sum::<u64>());
+                if hosts
+                    .iter()
+                    .any(|&h| hosts.iter().filter(|&&x| x == h).count() > 1)
+                {
+                    // The tree moves the tensor to every other rank of each host.
+                    assert!(d * 100 < f, "{hosts:?} root={root}: {d} B against {f}");
+                }
+            }
+        }
+        broadcast_case_reading(hosts, 0, DType::I32, 30_000, reorder(41), true).await;
+        broadcast_case_reading(hosts, 1, DType::I32, 30_000, damage(42), true).await;
     }
 }
 
