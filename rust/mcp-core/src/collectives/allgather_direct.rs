@@ -4,7 +4,7 @@
 //! read yours" (step 2), so that no rank returns while a peer still reads its input. Where
 //! any rank cannot read, every rank runs the ring all-gather in the same operation.
 
-use super::peer_tensors::PeerTensors;
+use super::peer_tensors::{PeerTensors, FALLBACK_PART};
 use super::{allgather_ring, segments, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::DType;
@@ -13,8 +13,6 @@ use crate::transport::Transport;
 
 /// Step of "I have read yours".
 const READ: u32 = 2;
-/// The part the ring fallback runs as.
-const FALLBACK_PART: u32 = 1;
 
 /// Gathers every rank's `input` into `out` (`W` blocks, rank order) among every rank of the
 /// transport, reading the peers' inputs directly where the kernel allows it.
@@ -55,11 +53,5 @@ pub async fn allgather_direct<T: Transport>(
         // block r at most); p's input is final for the whole operation.
         unsafe { tensors.read(ctx, p, 0, out.slice_mut(blocks[p].clone()))? };
     }
-    for &p in &peers {
-        ctx.send(p, READ, 0, 1, &[1]).await?;
-    }
-    for &p in &peers {
-        ctx.recv(p, READ, 0, 1).await?;
-    }
-    Ok(())
+    tensors.all_read(ctx, READ).await
 }

@@ -19,7 +19,7 @@
 //! is on another host), every rank learns it at step 1 and all run the ring all-reduce
 //! instead, in the same operation. Codecs do not apply: the bytes never leave the host.
 
-use super::peer_tensors::PeerTensors;
+use super::peer_tensors::{PeerTensors, FALLBACK_PART};
 use super::{allreduce_ring, segments, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::{DType, ReduceOp};
@@ -31,8 +31,6 @@ use crate::transport::Transport;
 const FINAL: u32 = 2;
 /// Step of "I have read yours".
 const READ: u32 = 3;
-/// The part the ring fallback runs as.
-const FALLBACK_PART: u32 = 1;
 
 /// All-reduces `buf` in place among every rank of the transport, reading the peers' tensors
 /// directly where the kernel allows it, and with the ring algorithm where it does not.
@@ -82,11 +80,5 @@ pub async fn allreduce_direct<T: Transport>(
         // final.
         unsafe { tensors.read(ctx, p, segs[p].start, buf.slice_mut(segs[p].clone()))? };
     }
-    for &p in &peers {
-        ctx.send(p, READ, 0, 1, &[1]).await?;
-    }
-    for &p in &peers {
-        ctx.recv(p, READ, 0, 1).await?;
-    }
-    Ok(())
+    tensors.all_read(ctx, READ).await
 }

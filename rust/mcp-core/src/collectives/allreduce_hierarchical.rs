@@ -185,15 +185,9 @@ pub async fn allreduce_hierarchical<T: Transport>(
         Ok::<(), Error>(())
     };
     tokio::try_join!(scatter, exchange, gather)?;
-    if direct.is_some() {
+    if let Some(d) = &direct {
         // Nobody returns (handing its tensor back) while a local peer may still read it.
-        let done = MAX_STAGES as u32;
-        for &i in &locals {
-            signals.send(i, done, 0, 1, &[1]).await?;
-        }
-        for &i in &locals {
-            signals.recv(i, done, 0, 1).await?;
-        }
+        d.lock().await.all_read(&signals, MAX_STAGES as u32).await?;
     }
 
     if op == ReduceOp::Avg {

@@ -4,7 +4,7 @@
 //! while a rank still reads. Where any rank cannot read, every rank runs the binomial tree in
 //! the same operation.
 
-use super::peer_tensors::PeerTensors;
+use super::peer_tensors::{PeerTensors, FALLBACK_PART};
 use super::{broadcast_binomial, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::DType;
@@ -13,8 +13,6 @@ use crate::transport::Transport;
 
 /// Step of "I have read it".
 const READ: u32 = 2;
-/// The part the tree fallback runs as.
-const FALLBACK_PART: u32 = 1;
 
 /// Broadcasts `buf` from `root` among every rank of the transport, in place, reading the
 /// root's tensor directly where the kernel allows it.

@@ -23,6 +23,9 @@ const PIECE: usize = 512 << 10;
 const ADDRESS: u32 = 0;
 /// Step of the verdicts.
 const VERDICT: u32 = 1;
+/// The part of an operation that runs its ring or tree instead, when some member cannot
+/// read the others.
+pub(super) const FALLBACK_PART: u32 = 1;
 
 /// Where each member's tensor lies: (pid, address), by member index (ours unused).
 pub(super) struct PeerTensors {
@@ -89,7 +92,8 @@ impl PeerTensors {
             at,
             me,
             elem: elem.max(1),
-            scratch: vec![0u64; PIECE.div_ceil(8)],
+            // Made on the first reduction: copies alone need none.
+            scratch: Vec::new(),
         }))
     }
 
@@ -114,6 +118,9 @@ impl PeerTensors {
             )));
         }
         let piece = (PIECE / self.elem).max(1) * self.elem;
+        if self.scratch.is_empty() {
+            self.scratch = vec![0u64; PIECE.div_ceil(8)];
+        }
         let mut words = std::mem::take(&mut self.scratch);
         // SAFETY: this function's contract is the helper's.
         let res = unsafe { self.reduce_through(ctx, src, dst, dtype, op, piece, &mut words) };
@@ -148,6 +155,20 @@ impl PeerTensors {
                 unsafe { self.read(ctx, p, from, s)? };
                 reduce_into(dtype, op, d, s)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Tells every other member that this one has finished reading it (step `step`) and
+    /// waits until each has said the same: no member hands its tensor back to its caller
+    /// while another may still read it.
+    pub(super) async fn all_read<T: Transport>(&self, ctx: &OpCtx<'_, T>, step: u32) -> Result<()> {
+        let peers = || (0..self.at.len()).filter(|&p| p != self.me);
+        for p in peers() {
+            ctx.send(p, step, 0, 1, &[1]).await?;
+        }
+        for p in peers() {
+            ctx.recv(p, step, 0, 1).await?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! returns while a peer still reads its input. Where any rank cannot read, every rank runs
 //! the ring reduce-scatter in the same operation.
 
-use super::peer_tensors::PeerTensors;
+use super::peer_tensors::{PeerTensors, FALLBACK_PART};
 use super::{reduce_scatter_ring, OpCtx};
 use crate::buffer::RawBuf;
 use crate::dtype::{DType, ReduceOp};
@@ -15,8 +15,6 @@ use crate::transport::Transport;
 
 /// Step of "I have read yours".
 const READ: u32 = 2;
-/// The part the ring fallback runs as.
-const FALLBACK_PART: u32 = 1;
 
 /// Reduces `input` (`W` blocks of `out.len()` bytes) across every rank of the transport and
 /// leaves block `rank` of the result in `out`, reading the peers' inputs directly where the
@@ -57,12 +55,5 @@ pub async fn reduce_scatter_direct<T: Transport>(
     if op == ReduceOp::Avg {
         finish_avg(dtype, dst, w)?;
     }
-    let peers: Vec<usize> = (0..w).filter(|&p| p != r).collect();
-    for &p in &peers {
-        ctx.send(p, READ, 0, 1, &[1]).await?;
-    }
-    for &p in &peers {
-        ctx.recv(p, READ, 0, 1).await?;
-    }
-    Ok(())
+    tensors.all_read(ctx, READ).await
 }
