@@ -94,6 +94,19 @@ impl LossEstimator {
         self.p += self.alpha * (sample - self.p);
     }
 
+    /// Records that `received` of `expected` packets arrived, weighting the sample by its
+    /// size: it moves the estimate by `1 − exp(−expected / horizon)` of the way, so that the
+    /// estimate averages over about `horizon` packets however they are split into samples.
+    /// Nothing changes when `expected` is 0 or `horizon` is not positive.
+    pub fn observe_over(&mut self, received: u64, expected: u64, horizon: f64) {
+        if expected == 0 || horizon.is_nan() || horizon <= 0.0 {
+            return;
+        }
+        let sample = 1.0 - (received.min(expected) as f64 / expected as f64);
+        let weight = 1.0 - (-(expected as f64) / horizon).exp();
+        self.p += weight * (sample - self.p);
+    }
+
     /// The current loss estimate.
     pub fn loss(&self) -> f64 {
         self.p
@@ -139,6 +152,47 @@ mod tests {
             c = c * u128::from(n - i) / u128::from(i + 1);
         }
         c as f64
+    }
+
+    #[test]
+    fn a_weighted_estimate_does_not_depend_on_how_the_packets_are_split() {
+        // 20,480 packets lost at random at 1 % (a fixed seed), fed as samples of 64 and of
+        // 512 packets. Past its first 3,000 packets the weighted estimate stays within 0.6
+        // points of 1 % either way, and swings less than half as far as the plain moving
+        // average of the 64-packet samples.
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let lost: Vec<bool> = (0..20_480).map(|_| rng.random::<f64>() < 0.01).collect();
+        let feed = |size: usize| {
+            let mut e = LossEstimator::new(0.0, 0.3).expect("estimator");
+            let mut plain = e;
+            let (mut swing, mut plain_swing) = (0.0f64, 0.0f64);
+            for (i, sample) in lost.chunks(size).enumerate() {
+                let l = sample.iter().filter(|&&x| x).count() as u64;
+                let n = sample.len() as u64;
+                e.observe_over(n - l, n, 1500.0);
+                plain.observe(n - l, n);
+                if i * size >= 3000 {
+                    swing = swing.max((e.loss() - 0.01).abs());
+                    plain_swing = plain_swing.max((plain.loss() - 0.01).abs());
+                }
+            }
+            (swing, plain_swing)
+        };
+        let (fine, plain_fine) = feed(64);
+        let (coarse, _) = feed(512);
+        assert!(fine < 6e-3, "{fine}");
+        assert!(coarse < 6e-3, "{coarse}");
+        assert!(fine < plain_fine / 2.0, "{fine} vs {plain_fine}");
+        // A 64-packet sample moves it by 1 - exp(-64 / 1500) of the way; empty samples and a
+        // horizon of 0 change nothing.
+        let mut one = LossEstimator::new(0.01, 0.3).expect("estimator");
+        one.observe_over(64, 64, 1500.0);
+        let want = 0.01 * (-64.0f64 / 1500.0).exp();
+        assert!((one.loss() - want).abs() < 1e-12);
+        one.observe_over(0, 0, 1500.0);
+        one.observe_over(1, 2, 0.0);
+        assert!((one.loss() - want).abs() < 1e-12);
     }
 
     #[test]

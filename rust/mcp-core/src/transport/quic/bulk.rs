@@ -124,7 +124,7 @@ impl Default for BulkConfig {
         BulkConfig {
             policy: LanePolicy::Auto,
             threshold: 256 << 10,
-            auto_loss: 0.01,
+            auto_loss: 0.003,
             auto_rtt: Duration::from_millis(5),
             k: 128,
             // Fits the loopback MTU floor (see endpoint.rs) with QUIC's and our headers.
@@ -134,6 +134,14 @@ impl Default for BulkConfig {
         }
     }
 }
+
+/// Fewest packets per loss sample.
+const LOSS_SAMPLE: u64 = 64;
+/// Packets the loss estimate averages over. The parity of every block is chosen from it, so
+/// it must not swing with each lost packet: at 1 % loss a sample of 64 packets reads 0, 1.6 or
+/// 3.1 %, and blocks coded while it read 0 then need repair rounds. About 1,500 packets (2 MB
+/// at MTU 1500) hold 15 losses at 1 %.
+const LOSS_HORIZON: f64 = 1500.0;
 
 /// The sender's view of one peer's path: loss measured from QUIC's packet counters.
 #[derive(Debug)]
@@ -174,8 +182,16 @@ impl PathLoss {
         let p = conn.stats().path;
         let sent = p.sent_packets.saturating_sub(self.last.0);
         let lost = p.lost_packets.saturating_sub(self.last.1);
-        if sent >= 64 {
-            self.est.observe(sent.saturating_sub(lost), sent);
+        if sent >= LOSS_SAMPLE {
+            if self.measured {
+                self.est
+                    .observe_over(sent.saturating_sub(lost), sent, LOSS_HORIZON);
+            } else {
+                // The first sample replaces the prior: a clean path is not taken for a lossy
+                // one while the estimate decays from its starting guess.
+                self.est = LossEstimator::new((lost.min(sent) as f64) / sent as f64, 0.3)
+                    .unwrap_or_default();
+            }
             self.last = (p.sent_packets, p.lost_packets);
             self.measured = true;
         }
@@ -294,6 +310,12 @@ impl QuicTransport {
         let max_dg = conn
             .max_datagram_size()
             .ok_or_else(|| WriteFail::Core(Error::Io("the peer takes no datagrams".into())))?;
+        // Shards that still fit once the path's MTU falls to its floor: quinn drops queued
+        // datagrams above a new limit, and its black-hole detector lowers the MTU under
+        // random loss, which is when this lane runs.
+        let floor = self.sock.floor_mtu(&self.cfg);
+        let above_floor = conn.stats().path.current_mtu.saturating_sub(floor);
+        let max_dg = max_dg.saturating_sub(usize::from(above_floor));
         let (k, dg) = block_shape(payload.len(), max_dg, bulk).map_err(WriteFail::Core)?;
         let tid = self.next_transfer.fetch_add(1, Ordering::Relaxed);
         let plan = TransferPlan::new(tid, payload.len() as u64, k, dg).map_err(WriteFail::Core)?;
@@ -333,6 +355,9 @@ impl QuicTransport {
             }
             b += 1;
         }
+        // quinn sends datagrams in the order they were queued: once it has sent this many
+        // on the connection, this transfer's are on the wire.
+        let mark = self.queued_datagrams(peer, conn);
         self.count_sent(peer, header.encoded_len() + payload.len());
         self.stats.bulk_frames_sent.fetch_add(1, Ordering::Relaxed);
         // Until the receiver says DONE, the transfer counts as unacknowledged (shutdown waits).
@@ -341,7 +366,7 @@ impl QuicTransport {
         let conn = conn.clone();
         let header = header.clone();
         tokio::spawn(async move {
-            serve_repairs(&me, peer, &conn, tx, &header, send, recv).await;
+            serve_repairs(&me, peer, &conn, tx, &header, (send, recv), mark).await;
             if let Some(t) = me.upgrade() {
                 t.unacked_streams.fetch_sub(1, Ordering::AcqRel);
             }
@@ -365,11 +390,13 @@ fn block_shape(len: usize, max_dg: usize, bulk: BulkConfig) -> Result<(u16, usiz
     Ok((k as u16, sb + HEADER_LEN))
 }
 
-/// Waits (bounded) until quinn has put every datagram queued so far on the wire.
-async fn drained(t: &QuicTransport, peer: usize, conn: &Connection) {
-    let want = t.queued_datagrams(peer, conn);
+/// Waits (bounded) until quinn has put the first `mark` datagrams queued on `conn` on the
+/// wire (those of one transfer and the transfers queued before it, not those queued since),
+/// or has none left to send (it drops queued datagrams that no longer fit the path).
+async fn drained(conn: &Connection, mark: u64) {
     let until = Instant::now() + Duration::from_secs(2);
-    while conn.stats().frame_tx.datagram < want
+    while conn.stats().frame_tx.datagram < mark
+        && conn.datagram_send_buffer_space() < super::endpoint::DATAGRAM_SEND_BUFFER
         && conn.close_reason().is_none()
         && Instant::now() < until
     {
@@ -428,8 +455,8 @@ async fn serve_repairs(
     conn: &Connection,
     mut tx: TransferSender,
     header: &Header,
-    mut send: SendStream,
-    mut recv: RecvStream,
+    (mut send, mut recv): (SendStream, RecvStream),
+    mut mark: u64,
 ) {
     let (idle, rounds) = me
         .upgrade()
@@ -441,11 +468,7 @@ async fn serve_repairs(
         step = match step {
             SenderStep::Finished(end) => break end,
             SenderStep::SendEnd(round) => {
-                let Some(t) = me.upgrade() else {
-                    break RoundsEnd::Broken;
-                };
-                drained(&t, peer, conn).await;
-                drop(t);
+                drained(conn, mark).await;
                 if !write_msg(&mut send, &Control::End { round }).await {
                     break RoundsEnd::Broken;
                 }
@@ -465,7 +488,10 @@ async fn serve_repairs(
                     break RoundsEnd::Broken;
                 };
                 match send_repairs(&t, peer, conn, &mut tx, &nacks).await {
-                    Ok(()) => rounds.repairs_sent(Instant::now()),
+                    Ok(()) => {
+                        mark = t.queued_datagrams(peer, conn);
+                        rounds.repairs_sent(Instant::now())
+                    }
                     Err(end) => break end,
                 }
             }

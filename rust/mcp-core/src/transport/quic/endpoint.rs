@@ -24,7 +24,7 @@ const MAX_WINDOW: u32 = 64 << 20;
 /// Datagrams (FEC shards) quinn holds for us before we read them.
 const DATAGRAM_RECV_BUFFER: usize = 64 << 20;
 /// Datagrams quinn queues before `send_datagram_wait` waits.
-const DATAGRAM_SEND_BUFFER: usize = 4 << 20;
+pub(super) const DATAGRAM_SEND_BUFFER: usize = 4 << 20;
 /// Datagram payload on loopback.
 const LOOPBACK_MTU: u16 = 65_000;
 /// Smallest datagram payload on loopback: room for a 15 KiB FEC shard and its headers, and
@@ -60,6 +60,24 @@ impl BoundSocket {
         SocketFigures {
             window: self.window(),
             loopback: self.loopback,
+        }
+    }
+}
+
+/// QUIC's own floor for a path's UDP payload (quinn's default `min_mtu`).
+const QUIC_MIN_MTU: u16 = 1200;
+
+impl SocketFigures {
+    /// The smallest UDP payload the connections of this socket may fall back to: the
+    /// `min_mtu` that [`transport_config`] gives them. quinn's MTU black-hole detector can
+    /// take a connection down to it at any time (random loss looks like a black hole), and
+    /// then drops every queued datagram larger than the new limit, so FEC shards are sized to
+    /// fit it.
+    pub(crate) fn floor_mtu(&self, cfg: &QuicConfig) -> u16 {
+        match cfg.mtu {
+            Some(m) => m.min(LONG_HEADER_MTU),
+            None if self.loopback => LOOPBACK_MIN_MTU,
+            None => QUIC_MIN_MTU,
         }
     }
 }
@@ -407,6 +425,31 @@ mod tests {
             f.as_mut().poll(&mut Context::from_waker(Waker::noop())),
             Poll::Ready(_)
         )
+    }
+
+    #[test]
+    fn the_floor_mtu_is_the_min_mtu_the_connections_get() {
+        let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
+        let mut cfg = QuicConfig::new(0, 2, addr);
+        let lan = SocketFigures {
+            window: MIN_WINDOW,
+            loopback: false,
+        };
+        let lo = SocketFigures {
+            loopback: true,
+            ..lan
+        };
+        assert_eq!(lan.floor_mtu(&cfg), 1200);
+        assert_eq!(lo.floor_mtu(&cfg), LOOPBACK_MIN_MTU);
+        cfg.mtu = Some(1440);
+        assert_eq!(lan.floor_mtu(&cfg), 1440);
+        assert_eq!(lo.floor_mtu(&cfg), 1440);
+        cfg.mtu = Some(60_000);
+        assert_eq!(lo.floor_mtu(&cfg), LONG_HEADER_MTU);
+        // Every configuration builds with that floor.
+        for sock in [lan, lo] {
+            assert!(transport_config(&cfg, sock).is_ok());
+        }
     }
 
     #[tokio::test]
