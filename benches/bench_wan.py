@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
         master_addr=master,
         master_port=MCP_PORT,
         secret="bench-wan",
-        timeout=600,
+        timeout=args.op_timeout,
     )
     t = torch.ones((args.mib << 20) // 4)
     small = torch.ones(1024)
@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1200, help="per loss rate, seconds")
+    p.add_argument("--op-timeout", type=float, default=600, help="mcp_fast's, per operation")
     p.add_argument("--stream", action="store_true", help="time the forwarder itself")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stream-role", nargs=3, help=argparse.SUPPRESS)
@@ -188,11 +189,13 @@ def main() -> None:
             str(args.mib),
             "--iters",
             str(args.iters),
+            "--op-timeout",
+            str(args.op_timeout),
             timeout=args.timeout + 60,
         )
         if "TIMES " not in r.stdout:
             print(f"| {loss:.1%} | {limit:.2f} s | failed (exit {r.returncode}) | | |", flush=True)
-            print(r.stderr[-2000:], file=sys.stderr)
+            print(r.stderr[-8000:], file=sys.stderr)
             continue
         times = json.loads(r.stdout.split("TIMES ")[1].splitlines()[0])
         tg, tm = statistics.median(times["gloo"]), statistics.median(times["mcp"])
