@@ -3,11 +3,16 @@
 //! Loss-based controllers (quinn's default, Cubic) shrink the window by 30 % at every loss
 //! event; at 20 % random loss there is one every round trip, and the window sits at its floor.
 //! This one, like BBR, sizes the window from what the path delivers: `gain × delivery rate ×
-//! round-trip time`, never below a floor, and grows it exponentially while no queue builds. A
-//! loss counts as congestion only when the smoothed RTT has risen well above the minimum RTT
-//! (a queue is building at a bottleneck, and a full queue is what drops): then the window
-//! backs off multiplicatively, once per round trip. A rate-capped link therefore still pushes
-//! it back, while random drops on an empty path leave it alone.
+//! round-trip time`, never below a floor, and grows it exponentially while no queue builds.
+//! The window is also bounded by `delivery rate × (minimum RTT + target queue)`, so that what
+//! it keeps in flight beyond the path's own capacity is a short queue at the bottleneck, not
+//! the bottleneck's whole buffer: the smoothed RTT includes the queue the window itself built,
+//! and a window sized from it alone grows with that queue until the buffer overflows (on a
+//! 200 Mbit/s, 50 ms path with a 50 ms router queue it dropped 15 % of the packets of a clean
+//! transfer). A loss counts as congestion only when the smoothed RTT has risen well above the
+//! minimum RTT (a queue is building at a bottleneck, and a full queue is what drops): then the
+//! window backs off multiplicatively, once per round trip. A rate-capped link therefore still
+//! pushes it back, while random drops on an empty path leave it alone.
 //!
 //! The logic is [`LossTolerantState`], free of clocks and sockets (every input is an
 //! argument), so that it is unit-tested as it is; [`LossTolerant`] adapts it to quinn's
@@ -66,6 +71,13 @@ pub struct LossTolerantConfig {
     pub queue_ratio: f64,
     /// See `queue_ratio`.
     pub queue_floor: Duration,
+    /// The queue the window may keep at the bottleneck once out of start-up:
+    /// `max(target_queue_ratio × min RTT, target_queue_floor)`. Below the queue that counts as
+    /// building (`queue_ratio`, `queue_floor`), so that random losses at the target are still
+    /// ignored.
+    pub target_queue_ratio: f64,
+    /// See `target_queue_ratio`.
+    pub target_queue_floor: Duration,
     /// Factor applied to the window at a loss while a queue is building.
     pub backoff: f64,
     /// Round trips that the delivery-rate maximum is kept over.
@@ -81,6 +93,8 @@ impl Default for LossTolerantConfig {
             gain: 2.0,
             queue_ratio: 0.5,
             queue_floor: Duration::from_millis(4),
+            target_queue_ratio: 0.25,
+            target_queue_floor: Duration::from_millis(2),
             backoff: 0.7,
             bw_rounds: 10,
         }
@@ -183,6 +197,13 @@ impl LossTolerantState {
         srtt > min_rtt + slack
     }
 
+    /// The queue the window may keep at the bottleneck on a path of minimum RTT `min_rtt`.
+    pub fn target_queue(&self, min_rtt: Duration) -> Duration {
+        min_rtt
+            .mul_f64(self.cfg.target_queue_ratio.max(0.0))
+            .max(self.cfg.target_queue_floor)
+    }
+
     /// `bytes` sent at `sent` were acknowledged at `now`.
     pub fn on_ack(
         &mut self,
@@ -239,14 +260,24 @@ impl LossTolerantState {
                 self.startup = false;
             }
         }
-        if !self.startup && bw > 0.0 && !queue {
+        if !self.startup && bw > 0.0 {
             // quinn paces at window / smoothed RTT, so the window is sized from the smoothed
             // RTT. With a gain above 1 a window-limited path still shows a growing delivery
-            // rate, so the window keeps probing upwards. While a queue stands it holds (only
-            // a loss then shrinks it): on loopback the "queue" is often the peer's scheduler,
-            // and a window cut to rate x minimum RTT would starve the pacer.
-            let target = (self.cfg.gain * bw * srtt.max(min_rtt).as_secs_f64()) as u64;
-            self.window = self.clamp(target);
+            // rate, so the window keeps probing upwards. It never holds more than the path's
+            // capacity plus the target queue: beyond that the extra only lengthens the
+            // bottleneck's queue (and the smoothed RTT, and so the first bound) until it
+            // overflows. The target is at least a couple of milliseconds, so that on loopback,
+            // where the "queue" is often the peer's scheduler, the pacer is not starved.
+            let by_srtt = self.cfg.gain * bw * srtt.max(min_rtt).as_secs_f64();
+            let by_queue = bw * (min_rtt + self.target_queue(min_rtt)).as_secs_f64();
+            let target = if queue {
+                // A queue stands: never grow (only a loss shrinks the window), but drain a
+                // queue longer than the target.
+                (self.window as f64).min(by_queue)
+            } else {
+                by_srtt.min(by_queue)
+            };
+            self.window = self.clamp(target as u64);
         }
     }
 
@@ -390,8 +421,9 @@ mod tests {
         drive(&mut s, &mut t, 30, 12_500, 10 * MS, |_, _, _| {});
         assert!(!s.in_startup(), "start-up must end on a flat delivery rate");
         let settled = s.window();
-        // gain 2 x 12.5 MB/s x 10 ms = 250 kB.
-        assert!((200_000..=300_000).contains(&settled), "window {settled}");
+        // The path's capacity plus the target queue: 12.5 MB/s x (10 ms + 2.5 ms) = 156 kB
+        // (below gain 2 x 12.5 MB/s x 10 ms = 250 kB).
+        assert!((140_000..=170_000).contains(&settled), "window {settled}");
         // Now one in five ACK batches comes with a loss event: random loss.
         let mut i = 0u32;
         drive(&mut s, &mut t, 30, 12_500, 10 * MS, |s, now, sent| {
@@ -404,6 +436,35 @@ mod tests {
         assert_eq!(s.backoffs(), 0);
         assert_eq!(s.ignored_losses(), 60);
         assert!(s.window() >= settled * 9 / 10);
+    }
+
+    #[test]
+    fn the_window_does_not_grow_with_the_queue_it_builds() {
+        // A 200 Mbit/s path of 50 ms whose bottleneck buffers 50 ms: the smoothed RTT rises
+        // with the queue the window keeps there. Sized from the smoothed RTT alone, the
+        // window would grow with it until the buffer overflowed.
+        let t0 = Instant::now();
+        let mut t = t0;
+        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
+        let min_rtt = 50 * MS;
+        let bdp = 25_000_000.0 * 0.05;
+        for _ in 0..3000 {
+            t += MS;
+            // What is in flight beyond the path's capacity waits in the queue, up to 50 ms.
+            let queue = ((s.window() as f64 - bdp).max(0.0) / 25e6).min(0.05);
+            let srtt = min_rtt + Duration::from_secs_f64(queue);
+            s.on_ack(t, t - srtt, 25_000, false, srtt, min_rtt);
+        }
+        assert!(!s.in_startup());
+        // 25 MB/s x (50 ms + 12.5 ms): a queue of a quarter of the round trip.
+        let w = s.window() as f64;
+        assert!(
+            (0.95 * 25e6 * 0.0625..=1.05 * 25e6 * 0.0625).contains(&w),
+            "window {w}"
+        );
+        assert_eq!(s.target_queue(min_rtt), Duration::from_micros(12_500));
+        // On a path of microseconds the target is the floor, not a fraction of nothing.
+        assert_eq!(s.target_queue(Duration::from_micros(30)), 2 * MS);
     }
 
     #[test]
