@@ -357,9 +357,14 @@ async fn stream_lane_gives_up_after_the_resend_limit() {
         }
     }
     assert!(named >= 1, "no rank named the resend count");
-    for t in &ts {
-        assert_eq!(t.stats().retransmits.load(Relaxed), 2, "rank {}", t.rank());
-    }
+    // The frame that failed 3 times was resent twice; the other rank's frame may have been
+    // resent fewer times when the failing rank closed its connections first.
+    let resent: Vec<u64> = ts
+        .iter()
+        .map(|t| t.stats().retransmits.load(Relaxed))
+        .collect();
+    assert!(resent.iter().all(|&r| r <= 2), "past the limit: {resent:?}");
+    assert_eq!(resent.iter().max(), Some(&2), "{resent:?}");
 }
 
 /// A resend limit above what a receiver may ask for is refused before anything binds.
