@@ -9,10 +9,15 @@
 //! the bottleneck's whole buffer: the smoothed RTT includes the queue the window itself built,
 //! and a window sized from it alone grows with that queue until the buffer overflows (on a
 //! 200 Mbit/s, 50 ms path with a 50 ms router queue it dropped 15 % of the packets of a clean
-//! transfer). A loss counts as congestion only when the smoothed RTT has risen well above the
-//! minimum RTT (a queue is building at a bottleneck, and a full queue is what drops): then the
-//! window backs off multiplicatively, once per round trip. A rate-capped link therefore still
-//! pushes it back, while random drops on an empty path leave it alone.
+//! transfer). That bound makes up for the loss it measures (the delivery rate only counts what
+//! arrived: at 10 % loss a window sized from it alone shrinks round after round to its floor).
+//! A loss counts as congestion only when a queue stands at a bottleneck (a full queue is what
+//! drops): when even the shortest packet RTT of the last round stood well above the minimum
+//! RTT. Then the window backs off multiplicatively, once per round trip. A rate-capped link
+//! therefore still pushes it back, while random drops on an empty path leave it alone, and so
+//! do late ACKs (a delayed ACK or a probe timeout raises the smoothed RTT, not the shortest).
+//! Start-up ends when the delivery rate stops growing over rounds the application kept full,
+//! so that an idle connection starts its first transfer with exponential growth.
 //!
 //! The logic is [`LossTolerantState`], free of clocks and sockets (every input is an
 //! argument), so that it is unit-tested as it is; [`LossTolerant`] adapts it to quinn's
@@ -21,6 +26,7 @@
 use quinn::congestion::{Controller, ControllerFactory, ControllerMetrics};
 use quinn_proto::RttEstimator;
 use std::any::Any;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,8 +72,8 @@ pub struct LossTolerantConfig {
     pub max_window: u64,
     /// Window = `gain × delivery rate × RTT` once out of start-up.
     pub gain: f64,
-    /// A queue is building when the smoothed RTT exceeds the minimum RTT by more than
-    /// `max(queue_ratio × min RTT, queue_floor)`.
+    /// A queue stands when the shortest packet RTT of a round exceeds the minimum RTT by more
+    /// than `max(queue_ratio × min RTT, queue_floor)`.
     pub queue_ratio: f64,
     /// See `queue_ratio`.
     pub queue_floor: Duration,
@@ -82,6 +88,10 @@ pub struct LossTolerantConfig {
     pub backoff: f64,
     /// Round trips that the delivery-rate maximum is kept over.
     pub bw_rounds: usize,
+    /// The largest loss fraction the capacity bound makes up for (see
+    /// [`LossTolerantState::loss_fraction`]): beyond it the path is broken rather than lossy,
+    /// and a window sized for it would flood whatever comes next.
+    pub max_loss_makeup: f64,
 }
 
 impl Default for LossTolerantConfig {
@@ -97,6 +107,7 @@ impl Default for LossTolerantConfig {
             target_queue_floor: Duration::from_millis(2),
             backoff: 0.7,
             bw_rounds: 10,
+            max_loss_makeup: 0.3,
         }
     }
 }
@@ -125,6 +136,14 @@ pub struct LossTolerantState {
     round_start: Instant,
     round_bytes: u64,
     round_app_limited: bool,
+    round_lost: u64,
+    /// The shortest packet RTT of this round so far, and of the last round: the RTT of a
+    /// standing queue. Unlike the smoothed RTT, one delayed ACK or a probe timeout does not
+    /// raise it; a queue that every packet waits in does.
+    round_min_rtt: Duration,
+    standing_rtt: Option<Duration>,
+    /// (acknowledged, lost) bytes of the last rounds: the loss the window makes up for.
+    loss_rounds: VecDeque<(u64, u64)>,
     /// Packets sent before this instant belong to a loss event already answered.
     recovery_start: Option<Instant>,
     backoffs: u64,
@@ -145,6 +164,10 @@ impl LossTolerantState {
             round_start: now,
             round_bytes: 0,
             round_app_limited: false,
+            round_lost: 0,
+            round_min_rtt: Duration::MAX,
+            standing_rtt: None,
+            loss_rounds: VecDeque::with_capacity(cfg.bw_rounds.max(1)),
             recovery_start: None,
             backoffs: 0,
             ignored_losses: 0,
@@ -189,12 +212,29 @@ impl LossTolerantState {
         self.ignored_losses
     }
 
-    /// Whether `srtt` says a queue is building over a path whose minimum RTT is `min_rtt`.
-    pub fn queue_building(&self, srtt: Duration, min_rtt: Duration) -> bool {
+    /// Whether a round whose shortest packet RTT was `rtt` says that a queue stands on a path
+    /// whose minimum RTT is `min_rtt`.
+    pub fn queue_building(&self, rtt: Duration, min_rtt: Duration) -> bool {
         let slack = min_rtt
             .mul_f64(self.cfg.queue_ratio.max(0.0))
             .max(self.cfg.queue_floor);
-        srtt > min_rtt + slack
+        rtt > min_rtt + slack
+    }
+
+    /// The fraction of the bytes sent over the last rounds that were declared lost, at most
+    /// `max_loss_makeup`.
+    pub fn loss_fraction(&self) -> f64 {
+        let (acked, lost) = self
+            .loss_rounds
+            .iter()
+            .fold((self.round_bytes, self.round_lost), |(a, l), &(ra, rl)| {
+                (a + ra, l + rl)
+            });
+        if acked + lost == 0 {
+            return 0.0;
+        }
+        let cap = self.cfg.max_loss_makeup.clamp(0.0, 0.9);
+        (lost as f64 / (acked + lost) as f64).min(cap)
     }
 
     /// The queue the window may keep at the bottleneck on a path of minimum RTT `min_rtt`.
@@ -216,7 +256,8 @@ impl LossTolerantState {
     ) {
         self.round_bytes += bytes;
         self.round_app_limited |= app_limited;
-        let queue = self.queue_building(srtt, min_rtt);
+        self.round_min_rtt = self.round_min_rtt.min(now.saturating_duration_since(sent));
+        let queue = self.queue_building(self.standing_rtt.unwrap_or(srtt), min_rtt);
         if self.startup && !app_limited && !queue {
             self.window = self.clamp(self.window.saturating_add(bytes));
         }
@@ -226,17 +267,27 @@ impl LossTolerantState {
         let elapsed = now.saturating_duration_since(self.round_start);
         if elapsed >= round {
             let sample = self.round_bytes as f64 / elapsed.as_secs_f64();
+            let app_limited = self.round_app_limited;
             // An app-limited round under-reports the path: keep it only if it is a new best.
-            if !self.round_app_limited || sample > self.bandwidth() {
+            if !app_limited || sample > self.bandwidth() {
                 if self.bw_samples.len() >= self.cfg.bw_rounds.max(1) {
                     self.bw_samples.remove(0);
                 }
                 self.bw_samples.push(sample);
             }
+            if self.loss_rounds.len() >= self.cfg.bw_rounds.max(1) {
+                self.loss_rounds.pop_front();
+            }
+            self.loss_rounds
+                .push_back((self.round_bytes, self.round_lost));
             self.round_start = now;
             self.round_bytes = 0;
             self.round_app_limited = false;
-            self.end_of_round(srtt, min_rtt, queue);
+            self.round_lost = 0;
+            self.standing_rtt = Some(self.round_min_rtt);
+            self.round_min_rtt = Duration::MAX;
+            let queue = self.queue_building(self.standing_rtt.unwrap_or(srtt), min_rtt);
+            self.end_of_round(srtt, min_rtt, queue, app_limited);
         }
         if let Some(r) = self.recovery_start {
             if sent > r {
@@ -245,15 +296,17 @@ impl LossTolerantState {
         }
     }
 
-    fn end_of_round(&mut self, srtt: Duration, min_rtt: Duration, queue: bool) {
+    fn end_of_round(&mut self, srtt: Duration, min_rtt: Duration, queue: bool, app_limited: bool) {
         let bw = self.bandwidth();
         if self.startup {
             // Out of start-up once the delivery rate stopped growing by 25 % for three
-            // rounds, or a queue builds.
+            // rounds, or a queue builds. A round the application left short of data says
+            // nothing about the path (an idle connection would otherwise leave start-up with
+            // the window of a heartbeat).
             if bw > self.full_bw * 1.25 {
                 self.full_bw = bw;
                 self.full_bw_checks = 0;
-            } else {
+            } else if !app_limited {
                 self.full_bw_checks += 1;
             }
             if self.full_bw_checks >= 3 || queue {
@@ -268,8 +321,14 @@ impl LossTolerantState {
             // bottleneck's queue (and the smoothed RTT, and so the first bound) until it
             // overflows. The target is at least a couple of milliseconds, so that on loopback,
             // where the "queue" is often the peer's scheduler, the pacer is not starved.
+            //
+            // The delivery rate counts what arrived, so under random loss `p` a window of
+            // `W` shows `(1 - p) × W / RTT`: sized from that alone, the window would shrink
+            // by `1 - p` every few rounds down to its floor. The capacity bound therefore
+            // makes up for the loss measured over the same rounds.
             let by_srtt = self.cfg.gain * bw * srtt.max(min_rtt).as_secs_f64();
-            let by_queue = bw * (min_rtt + self.target_queue(min_rtt)).as_secs_f64();
+            let by_queue = bw * (min_rtt + self.target_queue(min_rtt)).as_secs_f64()
+                / (1.0 - self.loss_fraction());
             let target = if queue {
                 // A queue stands: never grow (only a loss shrinks the window), but drain a
                 // queue longer than the target.
@@ -281,16 +340,18 @@ impl LossTolerantState {
         }
     }
 
-    /// Packets sent at `sent` were declared lost at `now` (`persistent`: everything sent for a
-    /// long period was lost).
+    /// `lost_bytes` sent up to `sent` were declared lost at `now` (`persistent`: everything
+    /// sent for a long period was lost).
     pub fn on_congestion_event(
         &mut self,
         now: Instant,
         sent: Instant,
         persistent: bool,
+        lost_bytes: u64,
         srtt: Duration,
         min_rtt: Duration,
     ) {
+        self.round_lost += lost_bytes;
         if persistent {
             self.window = self.min_window();
             self.startup = false;
@@ -298,7 +359,7 @@ impl LossTolerantState {
             self.backoffs += 1;
             return;
         }
-        if !self.queue_building(srtt, min_rtt) {
+        if !self.queue_building(self.standing_rtt.unwrap_or(srtt), min_rtt) {
             self.ignored_losses += 1;
             return;
         }
@@ -352,11 +413,17 @@ impl Controller for LossTolerant {
         now: Instant,
         sent: Instant,
         is_persistent_congestion: bool,
-        _lost_bytes: u64,
+        lost_bytes: u64,
     ) {
         let (srtt, min_rtt) = self.last_rtt;
-        self.state
-            .on_congestion_event(now, sent, is_persistent_congestion, srtt, min_rtt);
+        self.state.on_congestion_event(
+            now,
+            sent,
+            is_persistent_congestion,
+            lost_bytes,
+            srtt,
+            min_rtt,
+        );
     }
 
     fn on_mtu_update(&mut self, new_mtu: u16) {
@@ -429,7 +496,7 @@ mod tests {
         drive(&mut s, &mut t, 30, 12_500, 10 * MS, |s, now, sent| {
             i += 1;
             if i.is_multiple_of(5) {
-                s.on_congestion_event(now, sent, false, 10 * MS, 10 * MS);
+                s.on_congestion_event(now, sent, false, 1200, 10 * MS, 10 * MS);
                 assert!(s.window() >= settled * 9 / 10, "window {}", s.window());
             }
         });
@@ -473,26 +540,28 @@ mod tests {
         let mut t = t0;
         let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
         drive(&mut s, &mut t, 30, 12_500, 10 * MS, |_, _, _| {});
-        let before = s.window();
-        // The queue: smoothed RTT 30 ms over a 10 ms minimum (slack is max(5 ms, 4 ms)).
+        // The queue: for a whole round every packet takes 30 ms over a 10 ms minimum (slack
+        // is max(5 ms, 4 ms)).
         let queued = 30 * MS;
         assert!(s.queue_building(queued, 10 * MS));
         assert!(!s.queue_building(14 * MS, 10 * MS));
+        drive(&mut s, &mut t, 4, 12_500, queued, |_, _, _| {});
+        let before = s.window();
         t += MS;
         let sent = t - queued;
-        s.on_congestion_event(t, sent, false, queued, 10 * MS);
+        s.on_congestion_event(t, sent, false, 1200, queued, 10 * MS);
         assert_eq!(s.window(), (before as f64 * 0.7) as u64);
         // More losses of packets sent before the back-off are the same event.
-        s.on_congestion_event(t + MS, sent + MS, false, queued, 10 * MS);
+        s.on_congestion_event(t + MS, sent + MS, false, 1200, queued, 10 * MS);
         assert_eq!(s.backoffs(), 1);
         // A packet sent after the back-off and acknowledged ends the recovery; a later loss
         // while the queue still stands backs off again.
         s.on_ack(t + 40 * MS, t + 2 * MS, 1200, false, queued, 10 * MS);
-        s.on_congestion_event(t + 41 * MS, t + 39 * MS, false, queued, 10 * MS);
+        s.on_congestion_event(t + 41 * MS, t + 39 * MS, false, 1200, queued, 10 * MS);
         assert_eq!(s.backoffs(), 2);
         assert!(s.window() < before / 2 + 1);
         // Persistent congestion: the floor.
-        s.on_congestion_event(t + 50 * MS, t + 45 * MS, true, queued, 10 * MS);
+        s.on_congestion_event(t + 50 * MS, t + 45 * MS, true, 1200, queued, 10 * MS);
         assert_eq!(s.window(), 8 * u64::from(MTU));
     }
 
@@ -501,21 +570,64 @@ mod tests {
         let t0 = Instant::now();
         let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
         let w0 = s.window();
-        s.on_ack(t0 + MS, t0, w0, false, 10 * MS, 10 * MS);
+        s.on_ack(t0 + 10 * MS, t0, w0, false, 10 * MS, 10 * MS);
         assert_eq!(
             s.window(),
             2 * w0,
             "start-up doubles per window acknowledged"
         );
-        // App-limited ACKs do not grow it; neither do ACKs while a queue stands.
-        s.on_ack(t0 + 2 * MS, t0, w0, true, 10 * MS, 10 * MS);
-        s.on_ack(t0 + 3 * MS, t0, w0, false, 40 * MS, 10 * MS);
+        // App-limited ACKs do not grow it.
+        s.on_ack(t0 + 11 * MS, t0 + MS, w0, true, 10 * MS, 10 * MS);
         assert_eq!(s.window(), 2 * w0);
-        assert!(s.in_startup());
-        // The round (40 ms) ends with the queue: start-up is over.
-        s.on_ack(t0 + 50 * MS, t0, w0, false, 40 * MS, 10 * MS);
+        // A round in which every packet waited 40 ms: a queue stands; start-up ends.
+        for i in 0..10u32 {
+            let now = t0 + 30 * MS + 10 * MS * i;
+            s.on_ack(now, now - 40 * MS, 1200, false, 40 * MS, 10 * MS);
+        }
         assert!(!s.in_startup());
         assert!(s.bandwidth() > 0.0);
+        // ... and while it stands, ACKs no longer grow the window.
+        let w = s.window();
+        s.on_ack(t0 + 130 * MS, t0 + 90 * MS, 1200, false, 40 * MS, 10 * MS);
+        assert!(s.window() <= w);
+    }
+
+    #[test]
+    fn an_idle_connection_stays_in_start_up() {
+        // Heartbeats only: every round is app-limited and says nothing about the path, so
+        // the first real transfer still starts with exponential growth, not at the floor.
+        let t0 = Instant::now();
+        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
+        let w0 = s.window();
+        for i in 1..=50u32 {
+            let now = t0 + 50 * MS * i;
+            s.on_ack(now, now - 50 * MS, 100, true, 50 * MS, 50 * MS);
+        }
+        assert!(s.in_startup());
+        assert_eq!(s.window(), w0);
+    }
+
+    #[test]
+    fn late_acks_are_not_a_queue() {
+        // One ACK that took 600 ms (a delayed ACK, a probe timeout) raises the smoothed RTT,
+        // but not the shortest RTT of the round: random losses are still ignored and the
+        // window still grows.
+        let t0 = Instant::now();
+        let mut t = t0;
+        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
+        drive(&mut s, &mut t, 30, 12_500, 10 * MS, |_, _, _| {});
+        let settled = s.window();
+        let srtt = 80 * MS;
+        t += MS;
+        s.on_ack(t, t - 600 * MS, 1200, false, srtt, 10 * MS);
+        for _ in 0..100 {
+            t += MS;
+            s.on_ack(t, t - 10 * MS, 12_500, false, srtt, 10 * MS);
+        }
+        s.on_congestion_event(t, t - 10 * MS, false, 1200, srtt, 10 * MS);
+        assert_eq!(s.backoffs(), 0);
+        assert_eq!(s.ignored_losses(), 1);
+        assert!(s.window() >= settled, "{} < {settled}", s.window());
     }
 
     #[test]
@@ -530,7 +642,7 @@ mod tests {
             s.on_ack(t0 + MS * i, t0, 1 << 20, false, 10 * MS, 10 * MS);
         }
         assert_eq!(s.window(), 1 << 20);
-        s.on_congestion_event(t0, t0, true, 10 * MS, 10 * MS);
+        s.on_congestion_event(t0, t0, true, 1200, 10 * MS, 10 * MS);
         s.on_mtu_update(9000);
         assert_eq!(s.window(), 8 * 9000);
         assert_eq!(CongestionKind::parse("Cubic"), Some(CongestionKind::Cubic));
@@ -539,5 +651,197 @@ mod tests {
             Some(CongestionKind::LossTolerant)
         );
         assert_eq!(CongestionKind::parse("reno"), None);
+    }
+}
+
+/// A packet-level model of one path (a rate-limited bottleneck with a drop-tail queue, random
+/// loss before it, propagation delay, and noise on the return path), driving the controller as
+/// quinn would: the window and a pacer gate sending, ACKs carry RTT samples, a loss is declared
+/// 9/8 of a smoothed RTT after the packet would have been acknowledged.
+#[cfg(test)]
+mod path_model {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+
+    /// What the path is.
+    #[derive(Clone, Copy)]
+    pub struct Path {
+        pub rate: f64,
+        pub min_rtt: Duration,
+        pub queue: Duration,
+        pub loss: f64,
+        /// Extra delay on the return path, uniform in [0, jitter): ACK delay and scheduling.
+        pub jitter: Duration,
+        pub mtu: u16,
+    }
+
+    /// What a run measured.
+    #[derive(Debug)]
+    pub struct Run {
+        /// Bytes delivered per second over the second half of the run.
+        pub goodput: f64,
+        /// Packets the full queue dropped over the second half.
+        pub overflows: u64,
+        pub window: u64,
+    }
+
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    enum Ev {
+        Ack { sent: u64 },
+        Lost { sent: u64 },
+    }
+
+    pub fn run(path: Path, cfg: LossTolerantConfig, secs: f64, seed: u64) -> Run {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let t0 = Instant::now();
+        let at = |ns: u64| t0 + Duration::from_nanos(ns);
+        let mut s = LossTolerantState::new(cfg, t0, path.mtu);
+        let mtu = u64::from(path.mtu);
+        let serialize = (mtu as f64 / path.rate * 1e9) as u64;
+        let one_way = path.min_rtt.as_nanos() as u64 / 2;
+        let cap = (path.queue.as_secs_f64() * path.rate) as u64;
+        let end = (secs * 1e9) as u64;
+        let half = end / 2;
+        let mut events: BinaryHeap<Reverse<(u64, Ev)>> = BinaryHeap::new();
+        let (mut srtt, mut min_rtt) = (path.min_rtt, Duration::MAX);
+        let mut inflight = 0u64;
+        let mut busy_until = 0u64;
+        let mut next_send = 0u64;
+        let (mut delivered, mut overflows) = (0u64, 0u64);
+        let mut now = 0u64;
+        while now < end {
+            // Send what the window and the pacer (window / smoothed RTT) allow.
+            while inflight + mtu <= s.window() && next_send <= now {
+                inflight += mtu;
+                let gap = srtt.as_nanos() as u64 * mtu / s.window().max(1);
+                next_send = next_send.max(now.saturating_sub(10 * gap)) + gap;
+                let queued = busy_until.saturating_sub(now);
+                let jitter = rng.random_range(0..path.jitter.as_nanos().max(1) as u64);
+                // When its ACK would have come; a loss is seen when the ACK of the third
+                // packet after it comes (quinn's packet threshold).
+                let ack = now + queued + serialize + 2 * one_way + jitter;
+                if rng.random::<f64>() < path.loss {
+                    events.push(Reverse((ack + 3 * serialize, Ev::Lost { sent: now })));
+                } else if queued * path.rate as u64 / 1_000_000_000 + mtu > cap {
+                    if now >= half {
+                        overflows += 1;
+                    }
+                    events.push(Reverse((ack + 3 * serialize, Ev::Lost { sent: now })));
+                } else {
+                    busy_until = busy_until.max(now) + serialize;
+                    events.push(Reverse((ack, Ev::Ack { sent: now })));
+                }
+            }
+            // The next event, or the next send the pacer allows.
+            let Some(Reverse((t, ev))) = events.pop() else {
+                now = now.max(next_send);
+                continue;
+            };
+            if next_send > now && next_send < t && inflight + mtu <= s.window() {
+                events.push(Reverse((t, ev)));
+                now = next_send;
+                continue;
+            }
+            now = t;
+            inflight = inflight.saturating_sub(mtu);
+            match ev {
+                Ev::Ack { sent } => {
+                    let sample = Duration::from_nanos(now - sent);
+                    min_rtt = min_rtt.min(sample);
+                    srtt = (srtt * 7 + sample) / 8;
+                    if sent >= half {
+                        delivered += mtu;
+                    }
+                    s.on_ack(at(now), at(sent), mtu, false, srtt, min_rtt);
+                }
+                Ev::Lost { sent } => {
+                    s.on_congestion_event(at(now), at(sent), false, mtu, srtt, min_rtt.min(srtt));
+                }
+            }
+        }
+        Run {
+            goodput: delivered as f64 / ((end - half) as f64 / 1e9),
+            overflows,
+            window: s.window(),
+        }
+    }
+
+    /// 200 Mbit/s, 50 ms, a 50 ms queue: the WAN of `benches/bench_wan.py`.
+    pub fn wan(loss: f64, jitter: Duration) -> Path {
+        Path {
+            rate: 25e6,
+            min_rtt: Duration::from_millis(50),
+            queue: Duration::from_millis(50),
+            loss,
+            jitter,
+            mtu: 1200,
+        }
+    }
+
+    fn lan(loss: f64, jitter: Duration) -> Path {
+        Path {
+            rate: 125e6,
+            min_rtt: Duration::from_micros(100),
+            queue: Duration::from_millis(5),
+            loss,
+            jitter,
+            mtu: 1452,
+        }
+    }
+
+    fn assert_fills(path: Path, secs: f64) {
+        let r = run(path, LossTolerantConfig::default(), secs, 7);
+        assert!(
+            r.goodput >= 0.9 * path.rate,
+            "loss {} jitter {:?}: {:.1} MB/s of {:.1} (window {})",
+            path.loss,
+            path.jitter,
+            r.goodput / 1e6,
+            path.rate / 1e6,
+            r.window
+        );
+        assert_eq!(
+            r.overflows, 0,
+            "loss {} jitter {:?}: the window overfilled the queue",
+            path.loss, path.jitter
+        );
+    }
+
+    #[test]
+    fn a_lossy_long_path_is_filled_and_its_queue_never_overflows() {
+        // Random loss must neither shrink the window below the path's capacity (the delivery
+        // rate only counts what arrives) nor let it grow into the bottleneck's buffer; noise
+        // on the return path (ACK delay, scheduling) must not stall its growth.
+        for loss in [0.0, 0.01, 0.1, 0.2] {
+            for jitter in [Duration::ZERO, Duration::from_millis(15)] {
+                assert_fills(wan(loss, jitter), 6.0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_rate_capped_lan_is_filled_and_its_queue_never_overflows() {
+        // 1 Gbit/s, 100 µs, a 5 ms token-bucket queue (`tc tbf`), as in bench_hosts --rate.
+        for (loss, jitter_us) in [(0.0, 0), (0.0, 1000), (0.05, 200), (0.2, 200)] {
+            assert_fills(lan(loss, Duration::from_micros(jitter_us)), 1.0);
+        }
+    }
+
+    #[test]
+    fn without_the_loss_make_up_random_loss_starves_the_window() {
+        // The model can tell: a window bounded by the delivery rate alone, with no make-up
+        // for what is lost, falls short of the path at 20 % loss.
+        let r = run(
+            wan(0.2, Duration::from_millis(15)),
+            LossTolerantConfig {
+                max_loss_makeup: 0.0,
+                ..LossTolerantConfig::default()
+            },
+            6.0,
+            7,
+        );
+        assert!(r.goodput < 0.6 * 25e6, "{r:?}");
     }
 }
