@@ -143,11 +143,13 @@ pub struct LossTolerantState {
     round_bytes: u64,
     round_app_limited: bool,
     round_lost: u64,
-    /// The shortest packet RTT of this round so far, and of the last round: the RTT of a
-    /// standing queue. Unlike the smoothed RTT, one delayed ACK or a probe timeout does not
-    /// raise it; a queue that every packet waits in does.
+    /// The shortest packet RTT of this round so far, and of the last round of at least
+    /// [`INFORMATIVE_ROUND`] packets: the RTT of a standing queue. Unlike the smoothed RTT,
+    /// one delayed ACK or a probe timeout does not raise it; a queue that every packet waits
+    /// in does.
     round_min_rtt: Duration,
     standing_rtt: Option<Duration>,
+    /// Packets acknowledged in this round.
     round_packets: u64,
     /// (acknowledged, lost) bytes of the last rounds: the loss the window makes up for.
     loss_rounds: VecDeque<(u64, u64)>,
@@ -351,20 +353,22 @@ impl LossTolerantState {
             // by `1 - p` every few rounds down to its floor. The capacity bound therefore
             // makes up for the loss measured over the same rounds.
             let by_srtt = self.cfg.gain * bw * srtt.max(min_rtt).as_secs_f64();
-            let by_queue = bw * (min_rtt + self.target_queue(min_rtt)).as_secs_f64()
-                / (1.0 - self.loss_fraction());
+            let target_queue = self.target_queue(min_rtt);
+            let by_queue =
+                bw * (min_rtt + target_queue).as_secs_f64() / (1.0 - self.loss_fraction());
             //
             // A small window delivers less than `window / RTT` (ACK clocking, retransmissions
             // in flight), so the capacity bound alone can hold it at its floor. While the
-            // packets wait no longer than the target queue, the bound therefore has a quarter
-            // of headroom (BBR probes with the same gain): enough to climb out, and at most a
-            // quarter of the capacity more in the queue, which then stops it.
+            // packets wait no longer than the target queue, the bound therefore has
+            // `PROBE_GAIN` of headroom (BBR probes with 1.25; more made the queue reach the
+            // loss back-off's threshold in the path model): enough to climb out, and at most
+            // 15 % of the capacity more in the queue, which then stops it.
             let window = self.window as f64;
             let target = if queue {
                 // A queue stands: never grow (only a loss shrinks the window), but drain a
                 // queue longer than the target.
                 window.min(by_queue)
-            } else if standing <= min_rtt + self.target_queue(min_rtt) {
+            } else if standing <= min_rtt + target_queue {
                 by_srtt.min(by_queue * PROBE_GAIN)
             } else {
                 by_srtt.min(by_queue)
@@ -512,13 +516,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn random_loss_on_an_empty_path_leaves_the_window_alone() {
+    /// A controller settled on a 100 Mbit/s, 10 ms path (12.5 MB/s delivered, the RTT at its
+    /// minimum: no queue), and the time it got to.
+    fn settled_on_a_clean_path() -> (LossTolerantState, Instant) {
         let t0 = Instant::now();
         let mut t = t0;
         let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
-        // 12.5 MB/s (100 Mbit/s) delivered, RTT at its minimum: no queue.
         drive(&mut s, &mut t, 30, 12_500, 10 * MS, |_, _, _| {});
+        (s, t)
+    }
+
+    #[test]
+    fn random_loss_on_an_empty_path_leaves_the_window_alone() {
+        let (mut s, mut t) = settled_on_a_clean_path();
         assert!(!s.in_startup(), "start-up must end on a flat delivery rate");
         let settled = s.window();
         // The path's capacity plus the target queue, with the headroom it has while no
@@ -578,10 +588,7 @@ mod tests {
 
     #[test]
     fn a_loss_while_a_queue_builds_backs_off_once_per_event() {
-        let t0 = Instant::now();
-        let mut t = t0;
-        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
-        drive(&mut s, &mut t, 30, 12_500, 10 * MS, |_, _, _| {});
+        let (mut s, mut t) = settled_on_a_clean_path();
         // The queue: for a whole round every packet takes 30 ms over a 10 ms minimum (slack
         // is max(5 ms, 4 ms)).
         let queued = 30 * MS;
@@ -654,10 +661,7 @@ mod tests {
         // One ACK that took 600 ms (a delayed ACK, a probe timeout) raises the smoothed RTT,
         // but not the shortest RTT of the round: random losses are still ignored and the
         // window still grows.
-        let t0 = Instant::now();
-        let mut t = t0;
-        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
-        drive(&mut s, &mut t, 30, 12_500, 10 * MS, |_, _, _| {});
+        let (mut s, mut t) = settled_on_a_clean_path();
         let settled = s.window();
         let srtt = 80 * MS;
         t += MS;
