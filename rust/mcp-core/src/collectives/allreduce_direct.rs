@@ -53,7 +53,7 @@ pub async fn allreduce_direct<T: Transport>(
         }
         return Ok(());
     }
-    let Some(mut tensors) = PeerTensors::agree(ctx, buf, dtype.size()).await? else {
+    let Some(tensors) = PeerTensors::agree(ctx, buf, dtype.size()).await? else {
         let all: Vec<usize> = (0..w).collect();
         let ring = ctx.part(&all, FALLBACK_PART, false)?;
         return allreduce_ring(&ring, buf, dtype, op).await;

@@ -106,7 +106,6 @@ pub async fn allreduce_hierarchical<T: Transport>(
     }
     let signals = ctx.part(host_ranks, SIGNAL_PART, true)?;
     let locals: Vec<usize> = (0..host_ranks.len()).filter(|&i| i != local).collect();
-    let direct = direct.map(tokio::sync::Mutex::new);
 
     // Three loops, one per phase, each taking the stages in order; a stage passes from one
     // to the next through a channel as soon as its phase is done on this rank.
@@ -121,13 +120,7 @@ pub async fn allreduce_hierarchical<T: Transport>(
                     // after our signal.
                     unsafe {
                         let dst = buf.slice_mut(own.clone());
-                        d.lock().await.reduce_from_all(
-                            &signals,
-                            own.clone(),
-                            dst,
-                            dtype,
-                            part_op,
-                        )?
+                        d.reduce_from_all(&signals, own.clone(), dst, dtype, part_op)?
                     };
                 }
                 // Let the exchange of the previous stage go on between the reductions.
@@ -178,7 +171,7 @@ pub async fn allreduce_hierarchical<T: Transport>(
                 // finished it (its signal says so): nobody reads ours now, we alone write it.
                 unsafe {
                     let dst = buf.slice_mut(shard.clone());
-                    d.lock().await.read(&signals, i, shard.start, dst)?
+                    d.read(&signals, i, shard.start, dst)?
                 };
             }
         }
@@ -187,7 +180,7 @@ pub async fn allreduce_hierarchical<T: Transport>(
     tokio::try_join!(scatter, exchange, gather)?;
     if let Some(d) = &direct {
         // Nobody returns (handing its tensor back) while a local peer may still read it.
-        d.lock().await.all_read(&signals, MAX_STAGES as u32).await?;
+        d.all_read(&signals, MAX_STAGES as u32).await?;
     }
 
     if op == ReduceOp::Avg {

@@ -36,7 +36,7 @@ pub async fn reduce_scatter_direct<T: Transport>(
     if w == 1 || n == 0 || input.len() != n * w {
         return reduce_scatter_ring(ctx, out, input, dtype, op).await;
     }
-    let Some(mut tensors) = PeerTensors::agree(ctx, input, dtype.size()).await? else {
+    let Some(tensors) = PeerTensors::agree(ctx, input, dtype.size()).await? else {
         let all: Vec<usize> = (0..w).collect();
         let ring = ctx.part(&all, FALLBACK_PART, false)?;
         return reduce_scatter_ring(&ring, out, input, dtype, op).await;
