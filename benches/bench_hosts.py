@@ -264,7 +264,13 @@ def main() -> None:
             )
             result.append({"per_host": per_host, **row})
     if args.json:
-        meta = {"command": " ".join(sys.argv), "link": link, "date": time.strftime("%F"), **lim}
+        meta = {
+            "command": " ".join(sys.argv),
+            "link": link,
+            "date": time.strftime("%F"),
+            "cpus": os.cpu_count(),
+            **lim,
+        }
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": result}, indent=1))
 
 

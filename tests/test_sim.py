@@ -43,6 +43,8 @@ def test_a_failed_rank_fails_every_survivor_once_the_detector_finds_it_silent() 
         {"nbytes": 1.0},
         {"fail_rank": 99},
         {"heartbeat_s": 0.0},
+        {"cores": 2, "inter_cpu_tx": -1.0},
+        {"cores": 2, "intra_cpu_rx": float("nan")},
     ],
 )
 def test_bad_arguments_are_value_errors(kwargs: dict[str, object]) -> None:
@@ -51,6 +53,20 @@ def test_bad_arguments_are_value_errors(kwargs: dict[str, object]) -> None:
     world, algorithm, nbytes = args.pop("world"), args.pop("algorithm"), args.pop("nbytes")
     with pytest.raises(ValueError):
         _core.sim_all_reduce(world, algorithm, nbytes, **args)  # type: ignore[arg-type]
+
+
+def test_frames_cost_processor_time_on_the_cores_the_ranks_share() -> None:
+    # Two ranks' ring over a fast link, 1 ns per byte at each end: four cores let the two
+    # directions run at once; two cores (both ranks on one machine) make them take turns.
+    kw: dict[str, Any] = {"inter_gbps": 1e4, "inter_cpu_tx": 1.0, "inter_cpu_rx": 1.0}
+    bare = _core.sim_all_reduce(2, "ring", 64e6, inter_gbps=1e4)["elapsed_s"]
+    four = _core.sim_all_reduce(2, "ring", 64e6, cores=4, **kw)["elapsed_s"]
+    two = _core.sim_all_reduce(2, "ring", 64e6, cores=2, **kw)["elapsed_s"]
+    assert bare < 0.01
+    assert four == pytest.approx(64e-3, rel=0.02)  # 2 steps x 32 MB x 1 ns
+    assert two == pytest.approx(2 * four, rel=0.02)
+    # Without cores the costs are not charged.
+    assert _core.sim_all_reduce(2, "ring", 64e6, **kw)["elapsed_s"] == bare
 
 
 def test_a_rendezvous_takes_a_latency_each_way_and_rank_0s_card_sending_the_tables() -> None:
@@ -172,7 +188,7 @@ def test_the_cli_refuses_bad_settings(capsys: pytest.CaptureFixture[str]) -> Non
 
 # --- mcp-sim validate: the simulator against the benchmarks' measurements ----------------
 
-DATA = Path(__file__).resolve().parents[1] / "docs" / "data"
+DATA = Path(__file__).resolve().parents[1] / "docs" / "data" / "validation"
 
 
 def test_an_overhead_per_frame_delays_a_single_exchange_by_exactly_itself() -> None:
@@ -209,8 +225,8 @@ def test_validate_predicts_every_measured_row_from_the_shipped_data() -> None:
     fits = [r for r in v.rows if r.role == "fit"]
     assert [(r.source, r.world, r.nbytes, r.loss) for r in fits] == [
         ("hosts_clean", 2, 4096, 0.0),
+        ("hosts_clean", 4, 4096, 0.0),
         ("loss", 2, 16 << 20, 0.0),
-        ("loss", 4, 16 << 20, 0.0),
     ]
     assert len(v.predictions()) == len(v.rows) - 3
     assert v.within() == sum(r.within for r in v.predictions())
@@ -221,22 +237,30 @@ def test_the_calibration_is_what_the_measurement_files_say() -> None:
     c = v.calibration
     clean = json.loads((DATA / "hosts_clean.json").read_text())["meta"]
     capped = json.loads((DATA / "hosts_1gbit.json").read_text())["meta"]
-    assert c.veth_gbps == clean["quic_both_ways_gbit_s"]
+    assert c.cores == clean["cpus"]
+    # Plain quinn both ways: 2 directions x 2 ends x c per byte on the shared cores.
+    both = clean["quic_both_ways_gbit_s"] * 1e9 / 8
+    assert c.quic_cpu_ns == pytest.approx(1e9 * c.cores / 4 / both, rel=1e-12)
+    assert c.app_cpu_ns == pytest.approx(
+        c.quic_cpu_ns * sim.APP_CPU_SHARE / (1 - sim.APP_CPU_SHARE), rel=1e-12
+    )
     assert c.veth_rtt_s == clean["ping_median_s"]
     assert c.veth_1g_gbps == capped["quic_both_ways_gbit_s"]
     assert c.veth_1g_rtt_s == capped["ping_median_s"]
     assert c.shm_gbps == sim.SHM_GBPS
-    # The overhead: the smallest row's measured time beyond the simulated one without it.
-    smallest = v.rows[0]
-    bare = _core.sim_all_reduce(
-        2, "auto", 4096.0, inter_gbps=c.veth_gbps, inter_rtt_s=c.veth_rtt_s
-    )["elapsed_s"]
-    assert c.overhead_s == pytest.approx(smallest.measured_s - bare, rel=1e-12)
     # Every fitted row is reproduced by its own figure.
     for r in v.rows:
         if r.role == "fit":
             assert r.predicted_s == pytest.approx(r.measured_s, rel=1e-3), r
-    assert sorted(c.loopback_gbps) == [2, 4]
+
+
+def test_the_processor_model_predicts_plain_quinn_one_way_from_both_ways() -> None:
+    """The model's check on itself: calibrated from plain quinn running both ways at once, it
+    predicts plain quinn one way (one sender, one receiver) as the benchmark measured it."""
+    c = sim.validate(DATA).calibration
+    clean = json.loads((DATA / "hosts_clean.json").read_text())["meta"]
+    one_way_gbps = 8 / c.quic_cpu_ns  # each end on its own core: one byte per c
+    assert one_way_gbps == pytest.approx(clean["quic_gbit_s"], rel=0.15)
 
 
 def test_validate_is_a_pure_function_of_its_data_and_seed() -> None:
@@ -256,6 +280,7 @@ def test_the_validate_command_prints_and_writes_its_table(
     assert sim.main(["validate", "--data", str(DATA), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "software overhead per frame" in text and "predictions within 15%" in text
+    assert "cores shared by every rank" in text
     doc = json.loads(out.read_text())
     assert len(doc["rows"]) == 34 and doc["predictions"] == 31
     assert doc["within"] == sum(r["within"] for r in doc["rows"] if r["role"] == "prediction")
@@ -283,6 +308,11 @@ def test_validate_refuses_a_missing_or_broken_data_directory(
     (tmp_path / "hosts_clean.json").write_text(json.dumps(doc))
     shutil.copy(DATA / "loss.json", tmp_path)
     with pytest.raises(ValueError, match="quic_both_ways_gbit_s"):
+        sim.validate(tmp_path)
+    doc = json.loads((DATA / "hosts_clean.json").read_text())
+    del doc["meta"]["cpus"]
+    (tmp_path / "hosts_clean.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="cpus"):
         sim.validate(tmp_path)
     with pytest.raises(ValueError, match="shm"):
         sim.validate(DATA, shm_gbps=0.0)

@@ -46,6 +46,12 @@ def sim_all_reduce(
     timeout_s: float = 86400.0,
     intra_overhead_s: float = 0.0,
     inter_overhead_s: float = 0.0,
+    cores: int = 0,
+    ranks_per_machine: int = 0,
+    intra_cpu_tx: float = 0.0,
+    intra_cpu_rx: float = 0.0,
+    inter_cpu_tx: float = 0.0,
+    inter_cpu_rx: float = 0.0,
 ) -> dict[str, Any]: ...
 def sim_rendezvous(
     world: int,

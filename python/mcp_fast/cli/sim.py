@@ -22,10 +22,11 @@ within ``--max-frames`` is simulated at two smaller sizes and extrapolated by th
 form (marked ``~``).
 
 ``mcp-sim validate [--data DIR] [--json OUT] [--seed N] [--shm-gbps 46.4]`` compares the
-simulator's predictions with what ``benches/`` measured on this machine
-(``docs/data/hosts_clean.json``, ``hosts_1gbit.json``, ``loss.json``): it calibrates a few
-link figures openly from those files (see :func:`calibrate`), predicts every measured row
-and prints measured, predicted and the error (``docs/simulator.md``, "Validation").
+simulator's predictions with what ``benches/`` measured on one machine
+(``docs/data/validation/hosts_clean.json``, ``hosts_1gbit.json``, ``loss.json``): it
+calibrates a few link and processor figures openly from those files (see :func:`calibrate`),
+predicts every measured row and prints measured, predicted and the error
+(``docs/simulator.md``, "Validation").
 
 Exit status: 0 on success, 2 on bad arguments or a failed simulation.
 """
@@ -485,24 +486,36 @@ TOLERANCE = 0.15
 #: directly (5.80 GB/s). No file under docs/data holds it, so it is an input, printed with
 #: the calibration.
 SHM_GBPS = 46.4
+#: The share of one rank's processor time that the collective's own work takes beside QUIC's
+#: in a 64 MiB all-reduce between the veth hosts: CRC32C 8.3 %, the reduction 2.1 %, the
+#: copies into and out of the collective's buffers 8.3 % (``perf record --call-graph dwarf``
+#: on rank 0, 2026-12-04, docs/simulator.md). An input, printed with the calibration.
+APP_CPU_SHARE = 0.19
+#: A veth or loopback "link" is a copy inside the kernel, whose cost is in the processors'
+#: time per byte: as a link it is never the limit.
+KERNEL_LINK_GBPS = 1000.0
 
 
 def default_data_dir() -> Path:
-    """``docs/data`` of the source tree this module is in."""
-    return Path(__file__).resolve().parents[3] / "docs" / "data"
+    """``docs/data/validation`` of the source tree this module is in: the three files, measured
+    on one machine on one day."""
+    return Path(__file__).resolve().parents[3] / "docs" / "data" / "validation"
 
 
 @dataclass
 class Calibration:
-    """The simulator's link figures for this machine, and where each comes from."""
+    """The simulator's figures for this machine, and where each comes from."""
 
-    veth_gbps: float
+    cores: int
+    quic_cpu_ns: float
+    app_cpu_ns: float
     veth_rtt_s: float
     veth_1g_gbps: float
     veth_1g_rtt_s: float
     overhead_s: float
     shm_gbps: float
-    loopback_gbps: dict[int, float]
+    shm_overhead_s: float
+    loopback_cpu_ns: float
     loopback_rtt_s: float
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -566,94 +579,139 @@ def _num(doc: dict[str, Any], where: dict[str, Any], key: str) -> float:
 def _predict(
     cal: Calibration, link: str, world: int, per_host: int, nbytes: float, loss: float, seed: int
 ) -> dict[str, Any]:
+    """One all-reduce as the benchmark ran it: every rank on one machine of ``cal.cores``
+    cores; QUIC frames cost both ends QUIC's and the collective's processor time per byte,
+    shared-memory frames cost their receiver a copy at the measured bus bandwidth."""
+    quic = cal.quic_cpu_ns + cal.app_cpu_ns
     if link == "loopback":
-        gbps, rtt = cal.loopback_gbps[world], cal.loopback_rtt_s
+        gbps, rtt, quic = KERNEL_LINK_GBPS, cal.loopback_rtt_s, cal.loopback_cpu_ns
     elif link == "veth_1g":
         gbps, rtt = cal.veth_1g_gbps, cal.veth_1g_rtt_s
     else:
-        gbps, rtt = cal.veth_gbps, cal.veth_rtt_s
+        gbps, rtt = KERNEL_LINK_GBPS, cal.veth_rtt_s
     return _sim(
         world,
         "auto",
         nbytes,
         ranks_per_host=per_host,
-        intra_gbps=cal.shm_gbps,
+        intra_gbps=KERNEL_LINK_GBPS,
+        intra_overhead_s=cal.shm_overhead_s,
         inter_gbps=gbps,
         inter_rtt_s=rtt,
         inter_overhead_s=cal.overhead_s,
         loss=loss,
         seed=seed,
         timeout_s=3600.0,
+        cores=cal.cores,
+        ranks_per_machine=world,
+        intra_cpu_rx=8.0 / cal.shm_gbps,
+        inter_cpu_tx=quic,
+        inter_cpu_rx=quic,
     )
 
 
-def _fit_bandwidth(
-    cal: Calibration, world: int, nbytes: float, measured: float, seed: int
-) -> float:
-    """The loopback bandwidth (Gbit/s) at which the simulated clean ring takes `measured`:
-    a clean ring's time is L + S / bandwidth, solved from two simulations."""
-    ts = []
-    for gbps in (10.0, 20.0):
-        cal.loopback_gbps[world] = gbps
-        ts.append(_predict(cal, "loopback", world, 1, nbytes, 0.0, seed)["elapsed_s"])
-    s = (ts[0] - ts[1]) / (1 / 10.0 - 1 / 20.0)
-    lat = ts[0] - s / 10.0
-    if not measured > lat:
+def _solve(simulate: Any, measured: float, x1: float, what: str) -> float:
+    """The ``x >= 0`` at which ``simulate(x)`` (a time that grows with x, close to linearly)
+    takes ``measured``: a line through two simulations, then a few secant steps, since
+    cores booked frame by frame make it not quite a line."""
+    t0, t1 = simulate(0.0), simulate(x1)
+    if not (t1 > t0 and measured > t0):
         raise ValueError(
-            f"the clean loopback row of {world} ranks ({measured:.6f} s) is faster than the"
-            f" simulator's fixed costs ({lat:.6f} s): no bandwidth fits it"
+            f"{what}: the measured {measured:.6f} s is not above the simulator's fixed costs"
+            f" ({t0:.6f} s): nothing fits it"
         )
-    return s / (measured - lat)
+    (xa, ta), (xb, tb) = (0.0, t0), (x1, t1)
+    for _ in range(4):
+        x = max(0.0, xb + (measured - tb) * (xb - xa) / (tb - ta))
+        t = simulate(x)
+        if abs(t - measured) <= measured * 1e-4 or t == tb:
+            return x
+        (xa, ta), (xb, tb) = (xb, tb), (x, t)
+    return x
 
 
-def _smallest(clean: dict[str, Any]) -> dict[str, Any]:
-    """The row the per-frame overhead is fitted to: the smallest size with one rank per host
-    (one recursive-doubling exchange between two ranks)."""
-    rows = [r for r in clean["rows"] if r.get("per_host") == 1]
+def _smallest(doc: dict[str, Any], per_host: int) -> dict[str, Any]:
+    """The row an overhead is fitted to: the smallest size with ``per_host`` ranks per host."""
+    rows = [r for r in doc["rows"] if r.get("per_host") == per_host]
     if not rows:
-        raise ValueError(f"{clean['_path']}: no row with one rank per host")
-    return min(rows, key=lambda r: _num(clean, r, "bytes"))
+        raise ValueError(f"{doc['_path']}: no row with {per_host} rank(s) per host")
+    return min(rows, key=lambda r: _num(doc, r, "bytes"))
 
 
 def calibrate(data: dict[str, dict[str, Any]], *, shm_gbps: float, seed: int) -> Calibration:
-    """The few figures the simulator takes from the measurement files, never from a row it
-    then predicts: the veth paths' bandwidth is plain quinn's each way while both ways run
-    (an all-reduce loads both directions) and their RTT the 4 KiB UDP ping-pong, from each
-    file's meta; the per-frame software overhead is what the smallest row (4 KiB, 2 ranks,
-    one exchange) takes beyond the simulated time without it; the loopback bandwidth of each
-    world is fitted to the clean (0 % loss) row of ``loss.json``, whose meta has no path
-    limits; shared memory is ``shm_gbps`` (docs/shared-memory.md)."""
+    """The figures the simulator takes from the measurement files, never from a row it then
+    predicts. From each file's meta (path limits measured without the collectives): the
+    cores, QUIC's processor time per byte — a plain quinn transfer each way while both ways
+    run, on the cores both ends share: 2 x 2 ends x c per byte over 2 cores, so c = 1 / (2 x
+    its rate) — and the paths' RTTs (4 KiB UDP ping-pong) and the 1 Gbit/s path's rate. The
+    collective's own share of the processors is ``APP_CPU_SHARE`` (a profile) and shared
+    memory ``shm_gbps``. Three figures are fitted, each to one row that is then not counted:
+    the per-frame software overhead of QUIC links to the smallest row with one rank per host
+    (one exchange), that of shared memory to the smallest with two, and loopback's processor
+    time per byte to the clean (0 %) row of 2 ranks in ``loss.json``."""
     clean, capped, loss = data["hosts_clean"], data["hosts_1gbit"], data["loss"]
     for doc in (clean, capped):
         if not isinstance(doc.get("meta"), dict):
             raise ValueError(f"{doc['_path']} has no meta with the path's limits")
+    meta = clean["meta"]
+    cores = int(_num(clean, meta, "cpus"))
+    both_ways_bytes_s = _num(clean, meta, "quic_both_ways_gbit_s") * 1e9 / 8
+    quic_cpu_ns = 1e9 * cores / 4 / both_ways_bytes_s
     cal = Calibration(
-        veth_gbps=_num(clean, clean["meta"], "quic_both_ways_gbit_s"),
-        veth_rtt_s=_num(clean, clean["meta"], "ping_median_s"),
+        cores=cores,
+        quic_cpu_ns=quic_cpu_ns,
+        app_cpu_ns=quic_cpu_ns * APP_CPU_SHARE / (1 - APP_CPU_SHARE),
+        veth_rtt_s=_num(clean, meta, "ping_median_s"),
         veth_1g_gbps=_num(capped, capped["meta"], "quic_both_ways_gbit_s"),
         veth_1g_rtt_s=_num(capped, capped["meta"], "ping_median_s"),
         overhead_s=0.0,
         shm_gbps=shm_gbps,
-        loopback_gbps={},
-        loopback_rtt_s=_num(clean, clean["meta"], "ping_median_s"),
+        shm_overhead_s=0.0,
+        loopback_cpu_ns=quic_cpu_ns,
+        loopback_rtt_s=_num(clean, meta, "ping_median_s"),
     )
-    smallest = _smallest(clean)
-    bare = _predict(cal, "veth", 2, 1, _num(clean, smallest, "bytes"), 0.0, seed)["elapsed_s"]
-    cal.overhead_s = max(0.0, _num(clean, smallest, "mcp_s") - bare)
-    for world in sorted({int(_num(loss, r, "world")) for r in loss["rows"]}):
-        row = next((r for r in loss["rows"] if r["world"] == world and r.get("loss") == 0), None)
-        if row is None:
-            raise ValueError(f"{loss['_path']}: no clean (loss 0) row for {world} ranks")
-        nbytes = _num(loss, row, "mib") * (1 << 20)
-        cal.loopback_gbps[world] = _fit_bandwidth(cal, world, nbytes, _num(loss, row, "auto"), seed)
+
+    def with_(**kw: float) -> Calibration:
+        return Calibration(**{**asdict(cal), **kw})
+
+    one, two = _smallest(clean, 1), _smallest(clean, 2)
+    n1, n2 = _num(clean, one, "bytes"), _num(clean, two, "bytes")
+    cal.overhead_s = _solve(
+        lambda x: _predict(with_(overhead_s=x), "veth", 2, 1, n1, 0.0, seed)["elapsed_s"],
+        _num(clean, one, "mcp_s"),
+        1e-4,
+        f"the {n1:.0f}-byte row of 1 rank per host",
+    )
+    cal.shm_overhead_s = _solve(
+        lambda x: _predict(with_(shm_overhead_s=x), "veth", 4, 2, n2, 0.0, seed)["elapsed_s"],
+        _num(clean, two, "mcp_s"),
+        1e-4,
+        f"the {n2:.0f}-byte row of 2 ranks per host",
+    )
+    row = next((r for r in loss["rows"] if r.get("world") == 2 and r.get("loss") == 0), None)
+    if row is None:
+        raise ValueError(f"{loss['_path']}: no clean (loss 0) row for 2 ranks")
+    nbytes = _num(loss, row, "mib") * (1 << 20)
+    cal.loopback_cpu_ns = _solve(
+        lambda x: _predict(with_(loopback_cpu_ns=x), "loopback", 2, 1, nbytes, 0.0, seed)[
+            "elapsed_s"
+        ],
+        _num(loss, row, "auto"),
+        1.0,
+        "the clean loopback row of 2 ranks",
+    )
     cal.sources = {
-        "veth_gbps": "hosts_clean meta quic_both_ways_gbit_s (plain quinn, both ways at once)",
+        "cores": "hosts_clean meta cpus: both network-namespace hosts are one machine",
+        "quic_cpu_ns": "hosts_clean meta quic_both_ways_gbit_s (plain quinn, both ways at"
+        " once): cores / 4 / rate",
+        "app_cpu_ns": f"APP_CPU_SHARE {APP_CPU_SHARE:.0%} of a rank's processor time (a profile)",
         "veth_rtt_s": "hosts_clean meta ping_median_s (UDP ping-pong of 4 KiB)",
         "veth_1g_gbps": "hosts_1gbit meta quic_both_ways_gbit_s",
         "veth_1g_rtt_s": "hosts_1gbit meta ping_median_s",
-        "overhead_s": f"hosts_clean, 1 rank/host, {smallest['bytes']} B: measured - simulated",
+        "overhead_s": f"fitted: hosts_clean, 1 rank/host, {one['bytes']} B",
         "shm_gbps": "docs/shared-memory.md: 5.80 GB/s bus bandwidth, 2 ranks, 64 MiB, direct reads",
-        "loopback_gbps": "loss.json, each world's 0 % loss row (its meta has no path limits)",
+        "shm_overhead_s": f"fitted: hosts_clean, 2 ranks/host, {two['bytes']} B",
+        "loopback_cpu_ns": "fitted: loss.json, the 0 % loss row of 2 ranks",
         "loopback_rtt_s": "the veth's ping_median_s (loopback's own was not measured)",
     }
     return cal
@@ -676,11 +734,12 @@ def validate(
     data = {name: _load(root, name) for name in DATA_FILES}
     cal = calibrate(data, shm_gbps=shm_gbps, seed=seed)
     # The rows a calibration figure was taken from: (file, world, ranks per host, bytes, loss).
-    fit_rows = {("hosts_clean", 2, 1, int(_smallest(data["hosts_clean"])["bytes"]), 0.0)}
+    clean = data["hosts_clean"]
+    fit_rows = {("hosts_clean", 2 * k, k, int(_smallest(clean, k)["bytes"]), 0.0) for k in (1, 2)}
     fit_rows |= {
-        ("loss", int(r["world"]), 1, int(r["mib"] * (1 << 20)), 0.0)
+        ("loss", 2, 1, int(r["mib"] * (1 << 20)), 0.0)
         for r in data["loss"]["rows"]
-        if r.get("loss") == 0
+        if r.get("loss") == 0 and r.get("world") == 2
     }
     cases: list[tuple[str, str, int, int, int, float, float]] = []
     for name, link in (("hosts_clean", "veth"), ("hosts_1gbit", "veth_1g")):
@@ -727,12 +786,19 @@ def _size(n: int) -> str:
 
 def _print_validation(v: Validation) -> None:
     c = v.calibration
-    loop = ", ".join(f"{w} ranks {g:.3f}" for w, g in sorted(c.loopback_gbps.items()))
     print("calibration (everything else is predicted):")
-    print(f"  veth bandwidth {c.veth_gbps:.3f} Gbit/s, RTT {c.veth_rtt_s * 1e6:.1f} µs")
+    print(
+        f"  {c.cores} cores shared by every rank; processor time per wire byte at each end:"
+        f" QUIC {c.quic_cpu_ns:.3f} ns + the collective's {c.app_cpu_ns:.3f} ns,"
+        f" QUIC on loopback {c.loopback_cpu_ns:.3f} ns (fitted),"
+        f" shared memory {8 / c.shm_gbps:.3f} ns at the receiver ({c.shm_gbps:g} Gbit/s)"
+    )
+    print(f"  veth RTT {c.veth_rtt_s * 1e6:.1f} µs; loopback RTT {c.loopback_rtt_s * 1e6:.1f} µs")
     print(f"  veth at 1 Gbit/s {c.veth_1g_gbps:.3f} Gbit/s, RTT {c.veth_1g_rtt_s * 1e6:.1f} µs")
-    print(f"  software overhead per frame {c.overhead_s * 1e6:.1f} µs (QUIC links)")
-    print(f"  shared memory {c.shm_gbps:g} Gbit/s; loopback Gbit/s per rank: {loop}")
+    print(
+        f"  software overhead per frame (fitted): QUIC {c.overhead_s * 1e6:.1f} µs,"
+        f" shared memory {c.shm_overhead_s * 1e6:.1f} µs"
+    )
     print(
         "| data | ranks (per host) | size | loss | algorithm | measured | predicted | error"
         f" | within {TOLERANCE:.0%} |"

@@ -5,8 +5,8 @@ use crate::errors::to_py;
 use mcp_core::group::Algorithm;
 use mcp_core::membership::coordinator::CoordinatorConfig;
 use mcp_core::sim::{
-    simulate_elastic, time_all_reduce, time_rendezvous, ElasticPlan, EpochPlan, Fault, LinkSpec,
-    SimConfig, Topology,
+    simulate_elastic, time_all_reduce, time_rendezvous, Cpus, ElasticPlan, EpochPlan, Fault,
+    LinkSpec, SimConfig, Topology,
 };
 use mcp_core::wire::Codec;
 use pyo3::exceptions::PyValueError;
@@ -43,14 +43,18 @@ fn topology(
 /// and returns what it took: the algorithm that ran (`"auto"` resolved as a real group
 /// resolves it for that size), virtual seconds, bytes per rank, frames, and whether the
 /// result was exact. `intra_overhead_s` / `inter_overhead_s` add a fixed software time to
-/// every frame's arrival on that kind of link (default 0). A failed rank is found by the
-/// transport's own failure detector, with keep-alives every `heartbeat_s`.
+/// every frame's arrival on that kind of link (default 0). With `cores` > 0 the frames also
+/// cost processor time, `*_cpu_tx` / `*_cpu_rx` nanoseconds per wire byte at the sending and
+/// receiving end, on `cores` cores per machine shared by `ranks_per_machine` consecutive
+/// ranks (0: every rank on one machine). A failed rank is found by the transport's own
+/// failure detector, with keep-alives every `heartbeat_s`.
 #[pyfunction]
 #[pyo3(signature = (
     world, algorithm, nbytes, *, ranks_per_host=1, codec="none", block=256,
     intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0, inter_rtt_s=20e-6, loss=0.0,
     seed=0, heartbeat_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0,
-    intra_overhead_s=0.0, inter_overhead_s=0.0
+    intra_overhead_s=0.0, inter_overhead_s=0.0, cores=0, ranks_per_machine=0,
+    intra_cpu_tx=0.0, intra_cpu_rx=0.0, inter_cpu_tx=0.0, inter_cpu_rx=0.0
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn sim_all_reduce<'py>(
@@ -73,16 +77,34 @@ pub fn sim_all_reduce<'py>(
     timeout_s: f64,
     intra_overhead_s: f64,
     inter_overhead_s: f64,
+    cores: usize,
+    ranks_per_machine: usize,
+    intra_cpu_tx: f64,
+    intra_cpu_rx: f64,
+    inter_cpu_tx: f64,
+    inter_cpu_rx: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let algorithm = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
     let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
-    let topology = topology(
+    let mut topology = topology(
         ranks_per_host,
         (intra_gbps, intra_rtt_s, intra_overhead_s),
         (inter_gbps, inter_rtt_s, inter_overhead_s),
         loss,
     )?;
+    topology.intra = topology.intra.with_cpu(intra_cpu_tx, intra_cpu_rx);
+    topology.inter = topology.inter.with_cpu(inter_cpu_tx, inter_cpu_rx);
     let mut cfg = SimConfig::new(world, topology);
+    if cores > 0 {
+        cfg.cpu = Some(Cpus {
+            cores,
+            ranks_per_machine: if ranks_per_machine == 0 {
+                world
+            } else {
+                ranks_per_machine
+            },
+        });
+    }
     cfg.seed = seed;
     cfg.heartbeat = secs("heartbeat_s", heartbeat_s)?;
     if let Some(rank) = fail_rank {

@@ -6,6 +6,11 @@
 //! plus a fixed software overhead per frame, plus the recovery delay of its lost packets,
 //! plus jitter.
 //!
+//! With a CPU model ([`super::Cpus`]) a frame also costs its ends processor time,
+//! [`LinkSpec::cpu_tx`] and [`LinkSpec::cpu_rx`] per wire byte, on a core of each end's
+//! machine: it moves no faster than the slower of the link and its ends' processing, and
+//! frames that share a machine's cores wait for them (see `net.rs`).
+//!
 //! Loss is modelled as a reliable stream pays for it, not as a vanished frame: the frame is
 //! `ceil(b / mtu)` packets, each lost independently with probability `p` on every try; a lost
 //! packet is resent one recovery time (`rto`) later, in parallel with the others, so the frame
@@ -38,6 +43,13 @@ pub struct LinkSpec {
     /// frame's latency. It delays the frame's arrival and does not occupy the link, so
     /// pipelined frames pay it in parallel. Zero unless calibrated (`mcp-sim validate`).
     pub overhead: Duration,
+    /// Processor nanoseconds the sending end spends per wire byte (building, encrypting and
+    /// sending packets, the checksum, copies). Charged only when the simulation has a CPU
+    /// model ([`super::SimConfig::cpu`]); zero unless calibrated (`mcp-sim validate`).
+    pub cpu_tx: f64,
+    /// Processor nanoseconds the receiving end spends per wire byte (receiving and decrypting
+    /// packets, the checksum, copies, the reduction), as [`LinkSpec::cpu_tx`].
+    pub cpu_rx: f64,
 }
 
 impl LinkSpec {
@@ -53,7 +65,17 @@ impl LinkSpec {
             mtu: 1500,
             rto: rtt * 9 / 8 + Duration::from_millis(1),
             overhead: Duration::ZERO,
+            cpu_tx: 0.0,
+            cpu_rx: 0.0,
         }
+    }
+
+    /// The same link costing its sending and receiving ends `tx` and `rx` processor
+    /// nanoseconds per wire byte (see [`LinkSpec::cpu_tx`]).
+    pub fn with_cpu(mut self, tx: f64, rx: f64) -> LinkSpec {
+        self.cpu_tx = tx;
+        self.cpu_rx = rx;
+        self
     }
 
     /// The same link with a fixed software `overhead` per frame (see [`LinkSpec::overhead`]).
@@ -87,6 +109,13 @@ impl LinkSpec {
                 "{what} link: loss must be between 0 and 0.9, got {}",
                 self.loss
             )));
+        }
+        for (name, v) in [("cpu_tx", self.cpu_tx), ("cpu_rx", self.cpu_rx)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "{what} link: {name} must be a non-negative number of nanoseconds per byte, got {v}"
+                )));
+            }
         }
         if self.mtu < 64 {
             return Err(Error::InvalidArgument(format!(
@@ -222,6 +251,9 @@ mod tests {
         .is_err());
         assert!(ok.with_loss(0.95).validate("x").is_err());
         assert!(LinkSpec { mtu: 10, ..ok }.validate("x").is_err());
+        assert!(ok.with_cpu(-1.0, 0.0).validate("x").is_err());
+        assert!(ok.with_cpu(0.5, f64::NAN).validate("x").is_err());
+        assert!(ok.with_cpu(0.5, 0.5).validate("x").is_ok());
         assert_eq!(ok.serialise_ns(1e9), 1_000_000_000);
     }
 }

@@ -12,10 +12,13 @@
 //! as `header + n * s` bytes, while its real bytes are still reduced and checked. A
 //! 50B-parameter all-reduce is thus timed with a buffer of a few thousand elements.
 //!
-//! Not modelled: the time ranks spend computing (reductions, codecs), send windows (a send
-//! returns at once; the queue still orders the bytes), a receiving host's card (only the
-//! sender's card is shared between hosts), and the FEC datagram lane (loss is paid as a
-//! stream pays it). `docs/simulator.md` says why and what that means for the figures.
+//! The processor time that moving a frame costs its two ends can be modelled too ([`Cpus`]:
+//! cores per machine, shared by its ranks; a cost per wire byte per kind of link).
+//!
+//! Not modelled: the time ranks spend computing apart from moving frames (the codecs'
+//! encoding, a step's own compute), send windows (a send returns at once; the queue still
+//! orders the bytes), a receiving host's card (only the sender's card is shared between
+//! hosts), and the FEC datagram lane (loss is paid as a stream pays it). `docs/simulator.md` says why and what that means for the figures.
 
 mod allreduce;
 mod link;
@@ -63,6 +66,21 @@ impl Topology {
     }
 }
 
+/// The processors that the ranks' communication runs on. When a simulation has them, every
+/// data frame occupies a core of its sending machine for `bytes x cpu_tx` and one of its
+/// receiving machine for `bytes x cpu_rx` ([`LinkSpec`]), from when it starts to leave; it
+/// takes as long as the slowest of the link and its two ends, and starts only when the link
+/// and a core at each end are free. Ranks on one machine share its cores, so four processes
+/// on two cores move half as fast as two would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cpus {
+    /// Cores per machine.
+    pub cores: usize,
+    /// Consecutive ranks per machine (rank `r` is on machine `r / ranks_per_machine`). A
+    /// machine may hold several hosts, as two network namespaces on one box do.
+    pub ranks_per_machine: usize,
+}
+
 /// Something that breaks at a virtual time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -107,11 +125,14 @@ pub struct SimConfig {
     pub heartbeat: Duration,
     /// Whether to record every frame in [`SimReport::trace`].
     pub trace: bool,
+    /// The processors the ranks run on, or `None` for no CPU model (frames cost no
+    /// processor time).
+    pub cpu: Option<Cpus>,
 }
 
 impl SimConfig {
     /// `world` ranks on `topology`, seed 0, no scaling, no faults, the transport's default
-    /// 5 s heartbeat, no trace.
+    /// 5 s heartbeat, no trace, no CPU model.
     pub fn new(world: usize, topology: Topology) -> SimConfig {
         SimConfig {
             world,
@@ -121,6 +142,7 @@ impl SimConfig {
             faults: Vec::new(),
             heartbeat: Duration::from_secs(5),
             trace: false,
+            cpu: None,
         }
     }
 
@@ -149,6 +171,13 @@ impl SimConfig {
                 "scale must be a finite number of at least 1, got {}",
                 self.scale
             )));
+        }
+        if let Some(c) = self.cpu {
+            if c.cores == 0 || c.ranks_per_machine == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "a CPU model needs at least one core and one rank per machine, got {c:?}"
+                )));
+            }
         }
         for f in &self.faults {
             let bad = match *f {

@@ -9,7 +9,7 @@
 //! waits cost nothing.
 
 use super::link::{LinkRng, LinkSpec};
-use super::{Fault, SimConfig, TraceEvent};
+use super::{Cpus, Fault, SimConfig, TraceEvent};
 use crate::error::{Error, Result};
 use crate::health::{Action, PeerMonitor, ProgressWatch};
 use crate::transport::{Frame, Mailbox, Payload, SeqSpace, Transport};
@@ -106,6 +106,8 @@ struct State {
     ctl_pair_free: PairMap<u64>,
     /// When the control frames queued on each host's card have left.
     ctl_nic_free: Vec<u64>,
+    /// What each core of each machine is booked for (empty without a CPU model).
+    cores: Vec<Vec<Busy>>,
     /// The last control payload sent: the same one sent again (a rendezvous table to every
     /// rank) shares its bytes instead of holding a copy per frame in flight.
     last_control: Bytes,
@@ -152,6 +154,93 @@ fn note_flow(flows: &mut PairMap<(u64, u64)>, key: (usize, usize), first: u64, l
     }
 }
 
+/// What moving one frame takes, in nanoseconds: its time on the link, the link's latency,
+/// and the processor time of its sending and receiving ends.
+#[derive(Debug, Clone, Copy)]
+struct Work {
+    wire: u64,
+    latency: u64,
+    tx: u64,
+    rx: u64,
+}
+
+/// The intervals a core is busy, `[start, end)` in virtual nanoseconds, in time order.
+type Busy = Vec<(u64, u64)>;
+
+/// Whether a core is idle for `len` from `s`.
+fn idle(busy: &Busy, s: u64, len: u64) -> bool {
+    len == 0
+        || busy
+            .iter()
+            .all(|&(a, b)| b <= s || a >= s.saturating_add(len))
+}
+
+/// Marks a core busy for `len` from `s`.
+fn occupy(busy: &mut Busy, s: u64, len: u64) {
+    if len > 0 {
+        let i = busy.partition_point(|&(a, _)| a < s);
+        busy.insert(i, (s, s.saturating_add(len)));
+    }
+}
+
+/// Books a frame whose link is free at `at` on a core of its sender's machine (from when it
+/// starts to leave) and one of its receiver's (from when its first byte arrives): the
+/// earliest start at which both are idle long enough, in the gaps between what is booked
+/// already (a rank queues its frames ahead, and they must not hold the cores in between).
+/// Returns when the frame starts and when its last byte has left: its packets are processed
+/// as they go, so it takes as long as the slowest of the link and its two ends. One core
+/// serving both ends (a one-core machine sending to itself) does both ends' work.
+fn book_cores(
+    cores: &mut [Vec<Busy>],
+    cpu: Cpus,
+    (src, dst): (usize, usize),
+    now: u64,
+    at: u64,
+    w: Work,
+) -> (u64, u64) {
+    let (ms, md) = (src / cpu.ranks_per_machine, dst / cpu.ranks_per_machine);
+    for machine in [ms, md] {
+        for busy in &mut cores[machine] {
+            busy.retain(|&(_, end)| end > now);
+        }
+    }
+    let one_core = ms == md && cores[ms].len() == 1;
+    let (tx, rx) = if one_core {
+        (w.tx + w.rx, 0)
+    } else {
+        (w.tx, w.rx)
+    };
+    // Candidate starts: `at`, and every moment a booking ends (for the receiver, one latency
+    // before): after the last of them every core is idle, so the search ends.
+    let mut starts: Vec<u64> = std::iter::once(at)
+        .chain(cores[ms].iter().flatten().map(|&(_, end)| end))
+        .chain(
+            cores[md]
+                .iter()
+                .flatten()
+                .map(|&(_, end)| end.saturating_sub(w.latency)),
+        )
+        .filter(|&t| t >= at)
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
+    for s in starts {
+        let r = s.saturating_add(w.latency);
+        let Some(tc) = (0..cores[ms].len()).find(|&c| idle(&cores[ms][c], s, tx)) else {
+            continue;
+        };
+        let rc = (0..cores[md].len())
+            .find(|&c| (ms != md || c != tc || one_core) && idle(&cores[md][c], r, rx));
+        if let Some(rc) = rc {
+            occupy(&mut cores[ms][tc], s, tx);
+            occupy(&mut cores[md][rc], r, rx);
+            return (s, s.saturating_add(w.wire.max(tx).max(rx)));
+        }
+    }
+    // Unreachable (every core is idle after the last candidate); kept total.
+    (at, at.saturating_add(w.wire.max(tx).max(rx)))
+}
+
 /// The shared network of one simulation.
 pub(crate) struct SimNet {
     pub(super) cfg: SimConfig,
@@ -186,6 +275,10 @@ impl SimNet {
             nic_free: vec![0; w.div_ceil(cfg.topology.ranks_per_host)],
             ctl_pair_free: PairMap::default(),
             ctl_nic_free: vec![0; w.div_ceil(cfg.topology.ranks_per_host)],
+            cores: cfg
+                .cpu
+                .map(|c| vec![vec![Busy::new(); c.cores]; w.div_ceil(c.ranks_per_machine)])
+                .unwrap_or_default(),
             last_control: Bytes::new(),
             rngs: PairMap::default(),
             dead: vec![None; w],
@@ -406,8 +499,19 @@ impl SimNet {
             *free = (*free).max(start).saturating_add(wire);
             (start, end)
         } else {
-            let start = now.max(*free);
-            let end = start.saturating_add(wire);
+            let at = now.max(*free);
+            let (start, end) = match self.cfg.cpu {
+                Some(cpu) if spec.cpu_tx > 0.0 || spec.cpu_rx > 0.0 => {
+                    let work = Work {
+                        wire,
+                        latency: ns(spec.latency),
+                        tx: (bytes * spec.cpu_tx).ceil() as u64,
+                        rx: (bytes * spec.cpu_rx).ceil() as u64,
+                    };
+                    book_cores(&mut state.cores, cpu, (src, dst), now, at, work)
+                }
+                _ => (at, at.saturating_add(wire)),
+            };
             *free = end;
             (start, end)
         };

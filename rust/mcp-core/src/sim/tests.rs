@@ -408,6 +408,60 @@ fn a_frames_software_overhead_delays_its_arrival_and_a_pipeline_pays_it_once() {
 }
 
 #[test]
+fn frames_cost_their_ends_processor_time_on_the_cores_they_share() {
+    // A ring all-reduce of S bytes between two ranks over a link far faster than their
+    // processing, c ns per wire byte at each end: each of the two steps sends S/2 each way,
+    // that is 2 x 2 x c x S/2 of processor time per step. On four free cores it takes
+    // c x S/2 per step; on two cores (both ranks on one machine, as two network namespaces
+    // on one box are) the opposite frames take turns: twice that; with one two-core
+    // machine per rank, again c x S/2.
+    let c = 0.9;
+    let bytes = 64e6;
+    let link = LinkSpec::new(Duration::from_micros(20), 1e13).with_cpu(c, c);
+    let time = |cpu: Option<Cpus>| {
+        let mut cfg = SimConfig::new(2, Topology::flat(link));
+        cfg.cpu = cpu;
+        let t = time_all_reduce(
+            &cfg,
+            Algorithm::Ring,
+            bytes,
+            Codec::None,
+            Duration::from_secs(600),
+        )
+        .expect("timed");
+        assert!(t.exact);
+        t.elapsed.as_secs_f64()
+    };
+    let step = c * 1e-9 * bytes / 2.0;
+    let cores = |cores, ranks_per_machine| {
+        Some(Cpus {
+            cores,
+            ranks_per_machine,
+        })
+    };
+    let (free, shared, apart) = (time(cores(4, 2)), time(cores(2, 2)), time(cores(2, 1)));
+    for (got, want) in [
+        (free, 2.0 * step),
+        (shared, 4.0 * step),
+        (apart, 2.0 * step),
+    ] {
+        assert!(
+            (got - want).abs() < want * 0.02,
+            "{got} s, expected {want} s"
+        );
+    }
+    // Without a CPU model the same frames cost nothing but the (fast) link.
+    assert!(time(None) < step / 10.0);
+    // A one-core machine does both ends' work of a frame to itself.
+    let one = time(cores(1, 2));
+    assert!((one - 8.0 * step).abs() < 8.0 * step * 0.02, "{one}");
+    // Nonsense is refused before anything runs.
+    let mut cfg = SimConfig::new(2, Topology::flat(link));
+    cfg.cpu = cores(0, 2);
+    assert!(matches!(cfg.validate(), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
 fn auto_runs_what_a_real_group_picks_for_the_full_size() {
     let link = LinkSpec::new(Duration::from_micros(28), 400e6);
     let two_by_two = SimConfig::new(
