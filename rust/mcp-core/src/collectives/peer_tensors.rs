@@ -5,7 +5,10 @@
 //! [`PeerTensors::agree`] exchanges the tensors' addresses among the members of a context and
 //! every member's verdict on whether it can read all the others (a probe read of each): every
 //! member gets the same answer, so all read directly or none does, and those that do not fall
-//! back together, in the same operation.
+//! back together, in the same operation. Once the members have agreed to read each other,
+//! each remembers it (by the peers' ranks and pids); each address then carries whether its
+//! sender remembers this very set, and when every member does, the probes and verdicts are
+//! skipped: one round of small frames less per operation, decided alike by every member.
 
 use super::OpCtx;
 use crate::buffer::RawBuf;
@@ -53,39 +56,69 @@ impl PeerTensors {
     ) -> Result<Option<PeerTensors>> {
         let (w, me) = (ctx.world(), ctx.rank());
         let peers: Vec<usize> = (0..w).filter(|&p| p != me).collect();
+        // The peers this rank would read, by (rank, pid); `None` when it would not read one.
+        let readable: Option<Vec<(usize, u32)>> = peers
+            .iter()
+            .map(|&p| {
+                let rank = ctx.address(p, 0).0;
+                ctx.t
+                    .local_pid(rank)
+                    .filter(|_| ctx.t.reads_peer_memory(rank))
+                    .map(|pid| (rank, pid))
+            })
+            .collect();
+        let known = readable
+            .as_deref()
+            .is_some_and(|r| ctx.t.direct_reads_known(r));
+        let mut hello = buf.address().to_le_bytes().to_vec();
+        hello.push(u8::from(known));
         for &p in &peers {
-            ctx.send(p, ADDRESS, 0, 1, &buf.address().to_le_bytes())
-                .await?;
+            ctx.send(p, ADDRESS, 0, 1, &hello).await?;
         }
         let mut at = vec![(0u32, 0u64); w];
+        let mut all_known = known;
         for &p in &peers {
-            let m = ctx.recv(p, ADDRESS, 0, 8).await?.to_vec();
-            let bytes: [u8; 8] = m.as_slice().try_into().map_err(|_| {
-                Error::Protocol(format!("rank {p} sent a {}-byte address", m.len()))
-            })?;
-            at[p].1 = u64::from_le_bytes(bytes);
-        }
-        let mut ok = true;
-        for &p in &peers {
-            let rank = ctx.address(p, 0).0;
-            let Some(pid) = ctx
-                .t
-                .local_pid(rank)
-                .filter(|_| ctx.t.reads_peer_memory(rank))
-            else {
-                ok = false;
-                break;
-            };
-            at[p].0 = pid;
-            // One element tells whether the kernel lets us read this peer at all.
-            let mut probe = vec![0u8; elem.min(buf.len())];
-            match peer_memory::read(pid, at[p].1, &mut probe) {
-                Ok(()) => {}
-                Err(PeerReadError::Refused { .. }) => {
-                    ok = false;
-                    break;
+            let m = ctx.recv(p, ADDRESS, 0, 9).await?.to_vec();
+            let (addr, flag) = match m.as_slice() {
+                [a @ .., f] if a.len() == 8 => (a, *f),
+                _ => {
+                    return Err(Error::Protocol(format!(
+                        "rank {p} sent a {}-byte address",
+                        m.len()
+                    )))
                 }
-                Err(e) => return Err(read_error(ctx, p, e)),
+            };
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(addr);
+            at[p].1 = u64::from_le_bytes(bytes);
+            all_known &= flag == 1;
+        }
+        if let (true, Some(readable)) = (all_known, &readable) {
+            // Every member agreed on these same processes before: no probe, no verdicts.
+            for (&p, &(_, pid)) in peers.iter().zip(readable) {
+                at[p].0 = pid;
+            }
+            ctx.t.direct_reads_agreed(true);
+            return Ok(Some(PeerTensors {
+                at,
+                me,
+                elem: elem.max(1),
+            }));
+        }
+        let mut ok = readable.is_some();
+        if let Some(readable) = &readable {
+            for (&p, &(_, pid)) in peers.iter().zip(readable) {
+                at[p].0 = pid;
+                // One element tells whether the kernel lets us read this peer at all.
+                let mut probe = vec![0u8; elem.min(buf.len())];
+                match peer_memory::read(pid, at[p].1, &mut probe) {
+                    Ok(()) => {}
+                    Err(PeerReadError::Refused { .. }) => {
+                        ok = false;
+                        break;
+                    }
+                    Err(e) => return Err(read_error(ctx, p, e)),
+                }
             }
         }
         for &p in &peers {
@@ -95,6 +128,9 @@ impl PeerTensors {
             ok &= ctx.recv(p, VERDICT, 0, 1).await?.to_vec() == [1];
         }
         ctx.t.direct_reads_agreed(ok);
+        if let (true, Some(readable)) = (ok, &readable) {
+            ctx.t.remember_direct_reads(readable);
+        }
         Ok(ok.then(|| PeerTensors {
             at,
             me,

@@ -44,6 +44,8 @@ pub struct MemTransport {
     mailbox: Arc<Mailbox>,
     /// This rank reads its peers' memory directly (once the network allows it).
     reads: AtomicBool,
+    /// The peers whose tensors this rank agreed to read directly.
+    known_reads: super::peer_memory::KnownReads,
 }
 
 /// Creates `world` connected in-memory transports, one per rank.
@@ -65,6 +67,7 @@ pub fn network(world: usize, chaos: Option<MemChaos>) -> Vec<Arc<MemTransport>> 
                 net: net.clone(),
                 mailbox,
                 reads: AtomicBool::new(true),
+                known_reads: Default::default(),
             })
         })
         .collect()
@@ -122,6 +125,12 @@ impl MemTransport {
         self.reads.store(false, Ordering::Release);
     }
 
+    /// Forgets which peers this rank agreed to read directly (as a restarted process would):
+    /// the next operation among them agrees again, on every rank.
+    pub fn forget_direct_reads(&self) {
+        self.known_reads.forget();
+    }
+
     /// Frames sent again, on the whole network, because a receiver found them damaged.
     pub fn retransmits(&self) -> u64 {
         self.net.retransmits.load(Ordering::Relaxed)
@@ -175,6 +184,14 @@ impl Transport for MemTransport {
 
     fn reads_peer_memory(&self, peer: usize) -> bool {
         self.reads.load(Ordering::Acquire) && self.local_pid(peer).is_some()
+    }
+
+    fn direct_reads_known(&self, peers: &[(usize, u32)]) -> bool {
+        self.known_reads.knows(peers)
+    }
+
+    fn remember_direct_reads(&self, peers: &[(usize, u32)]) {
+        self.known_reads.remember(peers);
     }
 
     async fn send_frame<'a>(

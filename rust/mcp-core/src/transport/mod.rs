@@ -87,6 +87,21 @@ pub trait Transport: Send + Sync + 'static {
         let _ = read;
     }
 
+    /// Whether this rank agreed before, with every member of an operation, to read these
+    /// local peers' tensors directly (`(rank, pid)` in member order; see
+    /// [`peer_memory::KnownReads`]). A later operation among the same processes skips its
+    /// probes and verdicts when every member says so.
+    fn direct_reads_known(&self, peers: &[(usize, u32)]) -> bool {
+        let _ = peers;
+        false
+    }
+
+    /// Remembers that every member of an operation agreed to read these local peers'
+    /// tensors directly.
+    fn remember_direct_reads(&self, peers: &[(usize, u32)]) {
+        let _ = peers;
+    }
+
     /// Drops every connection now, telling the peers this process left (for a group
     /// abandoned after a failure: nothing in flight is worth delivering any more).
     fn leave_now(&self) {}

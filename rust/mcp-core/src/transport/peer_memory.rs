@@ -5,7 +5,9 @@
 //! and (where Yama is on) `ptrace_scope` 0. Containers may forbid the call outright (seccomp).
 //! Whoever uses it must therefore cope with [`PeerReadError::Refused`] by taking another path.
 
+use std::collections::HashSet;
 use std::io;
+use std::sync::Mutex;
 
 /// Why a read of a peer's memory failed.
 #[derive(Debug, thiserror::Error)]
@@ -147,5 +149,39 @@ mod tests {
             Err(PeerReadError::Gone { pid: p }) => assert_eq!(p, pid),
             other => panic!("expected Gone, got {other:?}"),
         }
+    }
+}
+
+/// The sets of local peers, `(rank, pid)` in member order, whose tensors this process has
+/// agreed with them to read directly. What the agreement's probe tests (the kernel's
+/// permission to read a process) does not change while those processes live, so a later
+/// operation among the same processes may skip it when every member remembers the same.
+#[derive(Debug, Default)]
+pub struct KnownReads {
+    sets: Mutex<HashSet<Vec<(usize, u32)>>>,
+}
+
+/// Sets remembered at most; past it, the memory starts again (the sets are re-agreed).
+const KNOWN_SETS: usize = 256;
+
+impl KnownReads {
+    /// Whether reads of exactly these peers were agreed before.
+    pub fn knows(&self, peers: &[(usize, u32)]) -> bool {
+        let sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
+        sets.contains(peers)
+    }
+
+    /// Remembers that reads of these peers were agreed.
+    pub fn remember(&self, peers: &[(usize, u32)]) {
+        let mut sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
+        if sets.len() >= KNOWN_SETS {
+            sets.clear();
+        }
+        sets.insert(peers.to_vec());
+    }
+
+    /// Forgets every set (a peer's policy changed).
+    pub fn forget(&self) {
+        self.sets.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }

@@ -90,13 +90,91 @@ async fn auto_reads_directly_on_one_host_and_sends_only_control_frames() {
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
             let out = case(w, DType::F32, op, n, Algorithm::Auto, &[]).await;
             for (r, (_, sent)) in out.iter().enumerate() {
-                // Per peer: an 8-byte address and three 1-byte signals; no tensor bytes.
-                assert_eq!(*sent, 11 * (w as u64 - 1), "w={w} rank {r}");
+                // Per peer: an 8-byte address with its 1-byte "agreed before" flag, and three
+                // 1-byte signals (verdict, final, read); no tensor bytes.
+                assert_eq!(*sent, 12 * (w as u64 - 1), "w={w} rank {r}");
             }
         }
     }
     let out = case(2, DType::F64, ReduceOp::Sum, n, Algorithm::Auto, &[]).await;
-    assert_eq!(out[0].1, 11);
+    assert_eq!(out[0].1, 12);
+}
+
+/// What one rank does before one of the operations of
+/// [`a_second_operation_among_the_same_processes_skips_the_verdicts`].
+#[derive(Clone, Copy, PartialEq)]
+enum Before {
+    Forget,
+    Decline,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_operation_among_the_same_processes_skips_the_verdicts() {
+    // Three all-reduces in a row on one world; `change` says what one rank does before the
+    // second or third. Returns, per rank, the payload bytes each operation sent.
+    async fn three(w: usize, change: Option<(usize, usize, Before)>) -> Vec<Vec<u64>> {
+        let n = 50_001;
+        let inputs: Vec<Vec<u8>> = (0..w)
+            .map(|r| input(DType::F32, ReduceOp::Sum, r, n, 7))
+            .collect();
+        let want = reference(DType::F32, ReduceOp::Sum, &inputs);
+        let shape = vec![n as u64];
+        let out = run_world(w, None, cfg(), |g: Group<MemTransport>, r| {
+            let input = inputs[r].clone();
+            let shape = shape.clone();
+            let want = want.clone();
+            async move {
+                let t = g.transport().clone();
+                t.enable_direct_reads();
+                let mut per_op = Vec::new();
+                for i in 0..3 {
+                    match change {
+                        Some((rank, op, Before::Forget)) if rank == r && op == i => {
+                            t.forget_direct_reads()
+                        }
+                        Some((rank, op, Before::Decline)) if rank == r && op == i => {
+                            t.decline_direct_reads()
+                        }
+                        _ => {}
+                    }
+                    let mut buf = input.clone();
+                    let before = sent(&g);
+                    // SAFETY: `buf` lives, untouched, until the awaited operation has finished.
+                    let tensor = Tensor {
+                        buf: unsafe { RawBuf::from_slice(&mut buf) },
+                        dtype: DType::F32,
+                        shape: &shape,
+                        codec: Codec::None,
+                    };
+                    g.all_reduce(tensor, ReduceOp::Sum, Algorithm::Auto)?
+                        .await?;
+                    assert!(buf == want, "w={w} rank {r} operation {i} differs");
+                    per_op.push(sent(&g) - before);
+                }
+                Ok::<_, Error>(per_op)
+            }
+        })
+        .await;
+        out.into_iter().map(|r| r.expect("all-reduces")).collect()
+    }
+    for w in [2, 3, 4] {
+        let peers = w as u64 - 1;
+        // The first agrees (address and flag, verdict, final, read); the next two only
+        // exchange addresses and their flags, then final and read.
+        for per_op in three(w, None).await {
+            assert_eq!(per_op, vec![12 * peers, 11 * peers, 11 * peers], "w={w}");
+        }
+        // One rank forgets before the second (a restarted process): its flag says so, every
+        // rank agrees again, and the third skips again.
+        for per_op in three(w, Some((w - 1, 1, Before::Forget))).await {
+            assert_eq!(per_op, vec![12 * peers, 12 * peers, 11 * peers], "w={w}");
+        }
+        // One rank declines before the third: every rank takes the ring in that operation.
+        for per_op in three(w, Some((0, 2, Before::Decline))).await {
+            assert_eq!(&per_op[..2], &[12 * peers, 11 * peers], "w={w}");
+            assert!(per_op[2] > 50_001 * 4 / w as u64, "w={w}: {per_op:?}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,8 +356,8 @@ async fn direct_all_gather_is_exact_in_and_out_of_place_and_sends_no_data() {
                 for in_place in [false, true] {
                     let out = all_gather(w, dtype, n, in_place, &[]).await;
                     if n * dtype.size() * w > cfg().small_bytes {
-                        // Per peer: an address, a verdict and "read".
-                        assert!(out.iter().all(|&s| s == 10 * (w as u64 - 1)), "{out:?}");
+                        // Per peer: an address (and its flag), a verdict and "read".
+                        assert!(out.iter().all(|&s| s == 11 * (w as u64 - 1)), "{out:?}");
                     }
                 }
             }
@@ -339,7 +417,7 @@ async fn direct_broadcast_from_every_root_is_exact_and_sends_no_data() {
             for (dtype, n) in [(DType::I64, 3), (DType::F16, 30_001), (DType::U8, 100_000)] {
                 let out = broadcast(w, root, dtype, n, &[]).await;
                 if n * dtype.size() > cfg().small_bytes {
-                    assert!(out.iter().all(|&s| s <= 10 * (w as u64 - 1)), "{out:?}");
+                    assert!(out.iter().all(|&s| s <= 11 * (w as u64 - 1)), "{out:?}");
                 }
             }
         }
@@ -415,7 +493,7 @@ async fn direct_reduce_scatter_is_exact_for_every_dtype_and_op_and_sends_no_data
                 for n in [1, 5000] {
                     let out = reduce_scatter(w, dtype, op, n, &[]).await;
                     if n * w * dtype.size() > cfg().small_bytes {
-                        assert!(out.iter().all(|&s| s == 10 * (w as u64 - 1)), "{out:?}");
+                        assert!(out.iter().all(|&s| s == 11 * (w as u64 - 1)), "{out:?}");
                     }
                 }
             }

@@ -316,6 +316,8 @@ pub struct QuicTransport {
     topology: watch::Sender<Option<Arc<Topology>>>,
     /// The shared-memory channel to each peer on this host that has one.
     shm_links: Vec<std::sync::OnceLock<crate::transport::shm::Link>>,
+    /// The local peers whose tensors this rank agreed to read directly.
+    known_reads: crate::transport::peer_memory::KnownReads,
     /// Peers of this host reached over QUIC instead, and why.
     shm_fallbacks: Mutex<Vec<(usize, String)>>,
 }
@@ -449,6 +451,7 @@ impl QuicTransport {
             host_id,
             topology: watch::channel(None).0,
             shm_links: (0..world).map(|_| std::sync::OnceLock::new()).collect(),
+            known_reads: Default::default(),
             shm_fallbacks: Mutex::new(Vec::new()),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&t)));
@@ -1642,6 +1645,14 @@ impl Transport for QuicTransport {
             &self.stats.direct_fallbacks
         };
         n.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn direct_reads_known(&self, peers: &[(usize, u32)]) -> bool {
+        self.known_reads.knows(peers)
+    }
+
+    fn remember_direct_reads(&self, peers: &[(usize, u32)]) {
+        self.known_reads.remember(peers);
     }
 
     async fn send_frame<'a>(
