@@ -721,8 +721,8 @@ def validate(
     data_dir: str | Path | None = None, *, seed: int = 0, shm_gbps: float = SHM_GBPS
 ) -> Validation:
     """Calibrates the simulator from the measurements in ``data_dir`` (default: the source
-    tree's ``docs/data``) and predicts every measured mcp_fast row. Raises ``ValueError``
-    naming the file when a measurement file is missing or malformed."""
+    tree's ``docs/data/validation``) and predicts every measured mcp_fast row. Raises
+    ``ValueError`` naming the file when a measurement file is missing or malformed."""
     if not (math.isfinite(shm_gbps) and shm_gbps > 0):
         raise ValueError(f"--shm-gbps must be positive, got {shm_gbps}")
     root = Path(data_dir) if data_dir is not None else default_data_dir()
