@@ -311,6 +311,12 @@ fn bad_configurations_are_refused_before_anything_runs() {
     assert!(matches!(run(bad), Err(Error::InvalidArgument(_))));
 }
 
+/// Times one all-reduce of `bytes` with `codec` on `cfg` (10-minute virtual deadline); the
+/// test fails if it cannot run.
+fn timed(cfg: &SimConfig, algorithm: Algorithm, bytes: f64, codec: Codec) -> AllReduceTiming {
+    time_all_reduce(cfg, algorithm, bytes, codec, Duration::from_secs(600)).expect("timed")
+}
+
 #[test]
 fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
     // 8 ranks, one per host, 1 GB/s, 1 ms RTT: a ring moves 2(W-1)/W of the buffer per rank
@@ -319,14 +325,7 @@ fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
     let link = LinkSpec::new(Duration::from_millis(1), 1e9);
     let cfg = SimConfig::new(8, Topology::flat(link));
     let bytes = 64e6;
-    let t = time_all_reduce(
-        &cfg,
-        Algorithm::Ring,
-        bytes,
-        Codec::None,
-        Duration::from_secs(600),
-    )
-    .expect("timed");
+    let t = timed(&cfg, Algorithm::Ring, bytes, Codec::None);
     assert_eq!(t.ok_ranks, 8);
     assert!(t.exact && t.first_error.is_none());
     let formula = 14.0 * (bytes / 8.0 / 1e9) + link.latency.as_secs_f64();
@@ -336,22 +335,14 @@ fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
     assert!((t.mean_rank_bytes - bytes * 14.0 / 8.0).abs() < bytes * 1e-3);
 
     // fp16 halves the bytes; every rank still ends with the same bits.
-    let half = time_all_reduce(
-        &cfg,
-        Algorithm::Ring,
-        bytes,
-        Codec::Fp16,
-        Duration::from_secs(600),
-    )
-    .expect("timed");
+    let half = timed(&cfg, Algorithm::Ring, bytes, Codec::Fp16);
     assert!(half.exact && half.ok_ranks == 8);
     let ratio = half.mean_rank_bytes / t.mean_rank_bytes;
     assert!((ratio - 0.5).abs() < 0.01, "ratio {ratio}");
 
     // int8 on whole blocks: a quarter of the bytes plus one scale per block.
     let int8 = Codec::Int8 { block: 256 };
-    let q = time_all_reduce(&cfg, Algorithm::Ring, bytes, int8, Duration::from_secs(600))
-        .expect("timed");
+    let q = timed(&cfg, Algorithm::Ring, bytes, int8);
     assert!(q.exact && q.ok_ranks == 8);
     let ratio = q.mean_rank_bytes / t.mean_rank_bytes;
     assert!(ratio > 0.25 && ratio < 0.27, "int8 ratio {ratio}");
@@ -375,15 +366,12 @@ fn a_frames_software_overhead_delays_its_arrival_and_a_pipeline_pays_it_once() {
     let link = LinkSpec::new(Duration::from_micros(28), 400e6);
     let o = Duration::from_micros(155);
     let time = |link: LinkSpec, world: usize, algorithm: Algorithm, bytes: f64| {
-        let cfg = SimConfig::new(world, Topology::flat(link));
-        time_all_reduce(
-            &cfg,
+        timed(
+            &SimConfig::new(world, Topology::flat(link)),
             algorithm,
             bytes,
             Codec::None,
-            Duration::from_secs(600),
         )
-        .expect("timed")
     };
     let rd = Algorithm::RecursiveDoubling;
     let (plain, slow) = (
@@ -421,14 +409,7 @@ fn frames_cost_their_ends_processor_time_on_the_cores_they_share() {
     let time = |cpu: Option<Cpus>| {
         let mut cfg = SimConfig::new(2, Topology::flat(link));
         cfg.cpu = cpu;
-        let t = time_all_reduce(
-            &cfg,
-            Algorithm::Ring,
-            bytes,
-            Codec::None,
-            Duration::from_secs(600),
-        )
-        .expect("timed");
+        let t = timed(&cfg, Algorithm::Ring, bytes, Codec::None);
         assert!(t.exact);
         t.elapsed.as_secs_f64()
     };
