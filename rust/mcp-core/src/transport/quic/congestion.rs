@@ -16,8 +16,19 @@
 //! RTT. Then the window backs off multiplicatively, once per round trip. A rate-capped link
 //! therefore still pushes it back, while random drops on an empty path leave it alone, and so
 //! do late ACKs (a delayed ACK or a probe timeout raises the smoothed RTT, not the shortest).
-//! Start-up ends when the delivery rate stops growing over rounds the application kept full,
-//! so that an idle connection starts its first transfer with exponential growth.
+//! Start-up ends when the delivery rate stops growing over rounds the application kept full
+//! (at least half the window in flight), so that an idle connection starts its first transfer
+//! with exponential growth; while in start-up the window holds at most `STARTUP_GAIN` times
+//! what the path delivers over the span the window is later sized by.
+//!
+//! An all-reduce loads a path both ways at once: each side's ACKs wait behind the other
+//! side's data, so its RTT rises with a queue it did not build, and its ACKs arrive bunched as
+//! that queue drains. A round's delivery rate is therefore taken over the longer of the spans
+//! in which its packets were sent and acknowledged (as BBR's rate samples are), and a round in
+//! which a queue stood does not count towards the loss the window makes up for (its losses
+//! are the bottleneck's drops). Without either, the window overfilled the queue of a 50 ms
+//! path by thousands of packets per 16 MiB all-reduce.
+//! `congestion_two_way.rs` tests the controller on a model of such a path.
 //!
 //! The logic is [`LossTolerantState`], free of clocks and sockets (every input is an
 //! argument), so that it is unit-tested as it is; [`LossTolerant`] adapts it to quinn's
@@ -124,6 +135,14 @@ impl ControllerFactory for LossTolerantConfig {
 /// Fewest packets acknowledged in a round for its shortest RTT to count.
 const INFORMATIVE_ROUND: u64 = 8;
 
+/// The most a start-up window holds, in multiples of the best delivery rate seen over the
+/// minimum RTT plus the target queue. BBR uses 2.89 with per-packet rate samples; ours come
+/// per round, a round later, and doubling needs twice the window of two rounds before.
+const STARTUP_GAIN: f64 = 4.0;
+
+/// The shortest path RTT on which a round's delivery rate is bounded by its send span.
+const SENT_SPAN_MIN_RTT: Duration = Duration::from_millis(1);
+
 /// The headroom of the capacity bound while the packets wait no longer than the target queue.
 const PROBE_GAIN: f64 = 1.15;
 
@@ -141,6 +160,11 @@ pub struct LossTolerantState {
     bw_samples: Vec<f64>,
     round_start: Instant,
     round_bytes: u64,
+    /// The latest send time among the packets acknowledged so far, and what it was when this
+    /// round began: the packets this round acknowledged were sent between the two, and that
+    /// span bounds the delivery rate when ACKs arrive bunched (see `on_ack`).
+    last_acked_sent: Option<Instant>,
+    round_sent_from: Option<Instant>,
     round_app_limited: bool,
     round_lost: u64,
     /// The shortest packet RTT of this round so far, and of the last round of at least
@@ -151,6 +175,8 @@ pub struct LossTolerantState {
     standing_rtt: Option<Duration>,
     /// Packets acknowledged in this round.
     round_packets: u64,
+    /// The most bytes in flight after an ACK of this round.
+    round_in_flight: u64,
     /// (acknowledged, lost) bytes of the last rounds: the loss the window makes up for.
     loss_rounds: VecDeque<(u64, u64)>,
     /// Packets sent before this instant belong to a loss event already answered.
@@ -172,11 +198,14 @@ impl LossTolerantState {
             bw_samples: Vec::with_capacity(cfg.bw_rounds.max(1)),
             round_start: now,
             round_bytes: 0,
+            last_acked_sent: None,
+            round_sent_from: None,
             round_app_limited: false,
             round_lost: 0,
             round_min_rtt: Duration::MAX,
             standing_rtt: None,
             round_packets: 0,
+            round_in_flight: 0,
             loss_rounds: VecDeque::with_capacity(cfg.bw_rounds.max(1)),
             recovery_start: None,
             backoffs: 0,
@@ -254,6 +283,19 @@ impl LossTolerantState {
             .max(self.cfg.target_queue_floor)
     }
 
+    /// The most a start-up window may hold: `STARTUP_GAIN` times the best delivery rate seen
+    /// over the minimum RTT plus the target queue, the span the window is sized by once out of
+    /// start-up (no bound before the first sample).
+    fn startup_cap(&self, min_rtt: Duration) -> u64 {
+        let bw = self.bandwidth();
+        if bw > 0.0 {
+            let rtt = min_rtt + self.target_queue(min_rtt);
+            (STARTUP_GAIN * bw * rtt.as_secs_f64()) as u64
+        } else {
+            u64::MAX
+        }
+    }
+
     /// `bytes` sent at `sent` were acknowledged at `now`.
     pub fn on_ack(
         &mut self,
@@ -265,19 +307,37 @@ impl LossTolerantState {
         min_rtt: Duration,
     ) {
         self.round_bytes += bytes;
+        self.last_acked_sent = Some(self.last_acked_sent.map_or(sent, |l| l.max(sent)));
         self.round_app_limited |= app_limited;
         self.round_min_rtt = self.round_min_rtt.min(now.saturating_duration_since(sent));
         self.round_packets += 1;
         let queue = self.queue_building(self.standing_rtt.unwrap_or(srtt), min_rtt);
         if self.startup && !app_limited && !queue {
-            self.window = self.clamp(self.window.saturating_add(bytes));
+            // Doubling per round trip, but never beyond `STARTUP_GAIN` times what the path was
+            // seen to deliver in a round trip (as BBR bounds it): the delivery rate stops growing
+            // once the bottleneck is full, and the window must not go on doubling into its
+            // buffer for the rounds it takes to see that.
+            let cap = self.startup_cap(min_rtt);
+            let grown = self.window.saturating_add(bytes).min(cap.max(self.window));
+            self.window = self.clamp(grown);
         }
         // A round lasts one smoothed RTT (at least 100 µs, so that loopback's tiny RTTs still
         // give meaningful samples).
         let round = srtt.max(min_rtt).max(Duration::from_micros(100));
         let elapsed = now.saturating_duration_since(self.round_start);
         if elapsed >= round {
-            let sample = self.round_bytes as f64 / elapsed.as_secs_f64();
+            // ACKs that waited in a queue (the peer's data ahead of them on the way back)
+            // arrive bunched, faster than the path delivered them; the packets were not sent
+            // faster than they were acknowledged, so the longer of the two spans counts. Not
+            // on a sub-millisecond path (loopback, a LAN): there a round is shorter than the
+            // sender's scheduling, and its send times spread with the scheduler, not the path.
+            let sent_span = match (self.round_sent_from, self.last_acked_sent) {
+                (Some(from), Some(last)) if min_rtt >= SENT_SPAN_MIN_RTT => {
+                    last.saturating_duration_since(from)
+                }
+                _ => Duration::ZERO,
+            };
+            let sample = self.round_bytes as f64 / elapsed.max(sent_span).as_secs_f64();
             let app_limited = self.round_app_limited;
             // An app-limited round under-reports the path: keep it only if it is a new best.
             if !app_limited || sample > self.bandwidth() {
@@ -286,13 +346,20 @@ impl LossTolerantState {
                 }
                 self.bw_samples.push(sample);
             }
-            if self.loss_rounds.len() >= self.cfg.bw_rounds.max(1) {
-                self.loss_rounds.pop_front();
+            // Losses of a round in which a queue stood are the bottleneck's drops, not the
+            // path's random loss: making up for them would widen the window into the queue.
+            let queued_round = self.round_packets >= INFORMATIVE_ROUND
+                && self.queue_building(self.round_min_rtt, min_rtt);
+            if !queued_round {
+                if self.loss_rounds.len() >= self.cfg.bw_rounds.max(1) {
+                    self.loss_rounds.pop_front();
+                }
+                self.loss_rounds
+                    .push_back((self.round_bytes, self.round_lost));
             }
-            self.loss_rounds
-                .push_back((self.round_bytes, self.round_lost));
             self.round_start = now;
             self.round_bytes = 0;
+            self.round_sent_from = self.last_acked_sent;
             self.round_app_limited = false;
             self.round_lost = 0;
             // A round of a few packets (heartbeats) may hold nothing but delayed ACKs: its
@@ -303,7 +370,14 @@ impl LossTolerantState {
             }
             self.round_min_rtt = Duration::MAX;
             self.round_packets = 0;
-            self.end_of_round(srtt, min_rtt, app_limited || !informative, informative);
+            let in_flight = std::mem::take(&mut self.round_in_flight);
+            self.end_of_round(
+                in_flight,
+                srtt,
+                min_rtt,
+                app_limited || !informative,
+                informative,
+            );
         }
         if let Some(r) = self.recovery_start {
             if sent > r {
@@ -316,6 +390,7 @@ impl LossTolerantState {
     /// `informative`: it had enough packets to tell a queue.
     fn end_of_round(
         &mut self,
+        round_in_flight: u64,
         srtt: Duration,
         min_rtt: Duration,
         app_limited: bool,
@@ -332,7 +407,10 @@ impl LossTolerantState {
             if bw > self.full_bw * 1.25 {
                 self.full_bw = bw;
                 self.full_bw_checks = 0;
-            } else if !app_limited {
+            } else if !app_limited || 2 * round_in_flight >= self.window {
+                // quinn calls a round app-limited whenever it once found nothing to send, as
+                // when the application queues its data in bursts. One that kept at least half
+                // the window in flight still tested the path.
                 self.full_bw_checks += 1;
             }
             if self.full_bw_checks >= 3 || (informative && queue) {
@@ -375,6 +453,11 @@ impl LossTolerantState {
             };
             self.window = self.clamp(target as u64);
         }
+    }
+
+    /// An ACK frame was processed; `in_flight` bytes are still unacknowledged.
+    pub fn on_end_acks(&mut self, in_flight: u64) {
+        self.round_in_flight = self.round_in_flight.max(in_flight);
     }
 
     /// `lost_bytes` sent up to `sent` were declared lost at `now` (`persistent`: everything
@@ -443,6 +526,16 @@ impl Controller for LossTolerant {
         self.last_rtt = (rtt.get(), rtt.min());
         self.state
             .on_ack(now, sent, bytes, app_limited, rtt.get(), rtt.min());
+    }
+
+    fn on_end_acks(
+        &mut self,
+        _now: Instant,
+        in_flight: u64,
+        _app_limited: bool,
+        _largest_packet_num_acked: Option<u64>,
+    ) {
+        self.state.on_end_acks(in_flight);
     }
 
     fn on_congestion_event(
@@ -639,6 +732,50 @@ mod tests {
         let w = s.window();
         s.on_ack(t0 + 130 * MS, t0 + 90 * MS, 1200, false, 40 * MS, 10 * MS);
         assert!(s.window() <= w);
+    }
+
+    #[test]
+    fn start_up_ends_when_the_path_is_full_even_if_quinn_calls_the_rounds_app_limited() {
+        // An application that queues its data in bursts: quinn flags the ACKs app-limited,
+        // yet half the window and more is in flight and the delivery rate no longer grows
+        // (12.5 MB/s on a 10 ms path). Start-up must end rather than double the window into
+        // the bottleneck's buffer round after round.
+        let t0 = Instant::now();
+        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
+        let mut t = t0;
+        for _ in 0..20 {
+            for _ in 0..10 {
+                t += MS;
+                s.on_ack(t, t - 10 * MS, 12_500, true, 10 * MS, 10 * MS);
+                s.on_end_acks(s.window());
+            }
+        }
+        assert!(!s.in_startup());
+        // Without that in flight (heartbeats), the same rounds keep it in start-up.
+        let mut idle = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
+        let mut t = t0;
+        for _ in 0..200 {
+            t += MS;
+            idle.on_ack(t, t - 10 * MS, 12_500, true, 10 * MS, 10 * MS);
+            idle.on_end_acks(1200);
+        }
+        assert!(idle.in_startup());
+    }
+
+    #[test]
+    fn bunched_acks_do_not_read_as_a_faster_path() {
+        // 100 packets sent over 20 ms (6 MB/s) whose ACKs waited in the peer's queue and come
+        // within 10 ms: the path delivered them at the rate they were sent, not at twice it.
+        let t0 = Instant::now();
+        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
+        let start = t0 + 30 * MS;
+        for i in 0..=100u32 {
+            let sent = t0 + MS * i / 5;
+            s.on_ack(start + MS * i / 10, sent, 1200, false, 10 * MS, 10 * MS);
+        }
+        let sent_rate = 100.0 * 1200.0 / 0.020;
+        assert!(s.bandwidth() > 0.5 * sent_rate);
+        assert!(s.bandwidth() <= sent_rate * 1.02, "{}", s.bandwidth());
     }
 
     #[test]
