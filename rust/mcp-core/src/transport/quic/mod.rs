@@ -5,6 +5,8 @@
 mod bulk;
 pub mod chaos;
 pub mod congestion;
+#[cfg(test)]
+mod congestion_two_way;
 pub(crate) mod endpoint;
 mod heartbeat;
 mod local;
