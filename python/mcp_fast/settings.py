@@ -23,9 +23,10 @@ and the parameter server all take their settings from here, so that ``MCP_CHAOS`
   path of a JSON or TOML file holding one: ``max_streams``, ``fec_group_size``,
   ``compression`` (``"none"``, ``"zstd"``, ``"zstd@L3"``), ``heartbeat_interval``
   (milliseconds) and ``mtu`` (see docs/configuration.md).
-- ``MCP_THREADS`` (read once per process, by the runtime the first group starts): worker
-  threads that carry the network and the reductions; unset, one when this rank has at most
-  two cores (the cores this process may use over torchrun's ``LOCAL_WORLD_SIZE``), else two.
+- ``MCP_THREADS`` (read once per process, when the first group, server or client starts):
+  worker threads that carry the network and the reductions (2). Ranks of a collective group
+  with two cores or fewer each do better with 1; a parameter server needs 2
+  (docs/benchmarks.md, "Worker threads per rank").
 - ``MCP_MODEL_SPEC`` / ``model_spec``: the model this rank declares, the documents'
   Model-Spec (``{"arch": ..., "precision": ..., "io_schema": {...}}``), as JSON text or the
   path of a JSON or TOML file; the rendezvous refuses ranks that declare different ones.

@@ -38,36 +38,18 @@ pub fn runtime(py: Python<'_>) -> PyResult<&'static tokio::runtime::Runtime> {
     Ok(&rt.rt)
 }
 
-/// The runtime's worker threads: `MCP_THREADS`, else one where this rank has at most two
-/// cores to itself (the cores this process may use over the ranks on its host, torchrun's
-/// `LOCAL_WORLD_SIZE`, one when unset), else two. With two ranks on two cores, one worker
-/// each spent a quarter less processor time per 4 KiB all-reduce than two and was as fast
-/// or faster from 4 KiB to 64 MiB (docs/benchmarks.md): a second worker there only adds
-/// wake-ups between threads that share the same cores.
+/// The runtime's worker threads: `MCP_THREADS`, else two. One is better for a collective
+/// group of ranks with two cores or fewer each (less processor time per small operation),
+/// two for a parameter server, whose one process serves every worker (docs/benchmarks.md).
 fn worker_threads() -> Result<usize, String> {
-    if let Ok(v) = std::env::var("MCP_THREADS") {
-        return match v.trim().parse::<usize>() {
+    match std::env::var("MCP_THREADS") {
+        Err(_) => Ok(2),
+        Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if (1..=256).contains(&n) => Ok(n),
             _ => Err(format!(
                 "MCP_THREADS={v:?} is not a thread count: set it to an integer from 1 to 256, \
-                 or unset it to size the runtime from the cores and LOCAL_WORLD_SIZE"
+                 or unset it for the default (2)"
             )),
-        };
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let local_ranks = std::env::var("LOCAL_WORLD_SIZE")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n >= 1)
-        .unwrap_or(1);
-    Ok(threads_for(cores, local_ranks))
-}
-
-/// One worker when a rank has at most two cores, else two.
-fn threads_for(cores: usize, local_ranks: usize) -> usize {
-    if cores <= 2 * local_ranks {
-        1
-    } else {
-        2
+        },
     }
 }
