@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
+from _launch import free_port
 from mcp_fast.settings import Settings
 
 
@@ -47,22 +52,22 @@ def test_a_bad_environment_value_names_the_variable(monkeypatch, name, value, wh
 
 
 _COUNT_WORKERS = """
-import os, sys
+import os, sys, time
 import mcp_fast as mcp
+port, want = int(sys.argv[1]), int(sys.argv[2])
 try:
-    g = mcp.init(rank=0, world_size=1, master_port=int(sys.argv[1]), timeout=30)
+    g = mcp.init(rank=0, world_size=1, master_port=port, timeout=30)
 except mcp.MCPError as e:
     print("MCPError:", e)
     raise SystemExit(0)
-import time
 def workers():
     tasks = os.listdir("/proc/self/task")
     return sum(open(f"/proc/self/task/{t}/comm").read().startswith("mcp-worker") for t in tasks)
-# A thread takes its name once it runs: wait until the count holds (bounded).
-seen, t0 = -1, time.monotonic()
-while time.monotonic() - t0 < 10 and (seen < 1 or workers() != seen):
-    seen = workers()
-    time.sleep(0.1)
+# A thread takes its name once it first runs: wait (bounded) until the count can be judged.
+t0 = time.monotonic()
+while workers() < want and time.monotonic() - t0 < 30:
+    time.sleep(0.05)
+time.sleep(0.1)  # and a moment more, so that one worker too many would show too
 print(workers())
 g.close()
 """
@@ -79,19 +84,14 @@ g.close()
     ],
 )
 def test_mcp_threads_sets_the_runtime_workers_and_a_bad_value_is_refused(env, want) -> None:
-    import os
-    import subprocess
-    import sys
-
-    from _launch import free_port
-
     clean = {k: v for k, v in os.environ.items() if k != "MCP_THREADS"}
+    expected = want if want.isdigit() else "1"
     out = subprocess.run(
-        [sys.executable, "-c", _COUNT_WORKERS, str(free_port())],
+        [sys.executable, "-c", _COUNT_WORKERS, str(free_port()), expected],
         env={**clean, **env},
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout.strip()
-    assert out.startswith(want), out
+    assert out == want if want.isdigit() else out.startswith(want), out
