@@ -371,13 +371,7 @@ impl LossTolerantState {
             self.round_min_rtt = Duration::MAX;
             self.round_packets = 0;
             let in_flight = std::mem::take(&mut self.round_in_flight);
-            self.end_of_round(
-                in_flight,
-                srtt,
-                min_rtt,
-                app_limited || !informative,
-                informative,
-            );
+            self.end_of_round(in_flight, srtt, min_rtt, informative);
         }
         if let Some(r) = self.recovery_start {
             if sent > r {
@@ -386,14 +380,13 @@ impl LossTolerantState {
         }
     }
 
-    /// The end of a round; `app_limited`: the application left it short of packets;
+    /// The end of a round that had at most `round_in_flight` bytes in flight after an ACK;
     /// `informative`: it had enough packets to tell a queue.
     fn end_of_round(
         &mut self,
         round_in_flight: u64,
         srtt: Duration,
         min_rtt: Duration,
-        app_limited: bool,
         informative: bool,
     ) {
         let bw = self.bandwidth();
@@ -407,10 +400,13 @@ impl LossTolerantState {
             if bw > self.full_bw * 1.25 {
                 self.full_bw = bw;
                 self.full_bw_checks = 0;
-            } else if !app_limited || 2 * round_in_flight >= self.window {
-                // quinn calls a round app-limited whenever it once found nothing to send, as
-                // when the application queues its data in bursts. One that kept at least half
-                // the window in flight still tested the path.
+            } else if 2 * round_in_flight >= self.window {
+                // Only a round that kept at least half the window in flight tested the path.
+                // quinn's app-limited flag cannot tell: it flags a round whenever it once found
+                // nothing to send (data queued in bursts), and does not flag one whose few
+                // packets (a handshake, a barrier, verdicts) were all there was to send. Such
+                // rounds ended start-up on loopback before the first transfer, at the initial
+                // window and a delivery rate of 67 MB/s.
                 self.full_bw_checks += 1;
             }
             if self.full_bw_checks >= 3 || (informative && queue) {
@@ -605,6 +601,8 @@ mod tests {
             *t += MS;
             let sent = *t - srtt;
             s.on_ack(*t, sent, bytes_per_ms, false, srtt, min_rtt);
+            // A sender the window limits: all of it but what was just acknowledged is out.
+            s.on_end_acks(s.window().saturating_sub(bytes_per_ms));
             each(s, *t, sent);
         }
     }
@@ -760,6 +758,34 @@ mod tests {
             idle.on_end_acks(1200);
         }
         assert!(idle.in_startup());
+    }
+
+    #[test]
+    fn rounds_of_a_few_packets_do_not_end_start_up_even_if_quinn_calls_them_full() {
+        // A handshake, a barrier, verdicts: rounds of small packets that were all there was
+        // to send, which quinn does not flag app-limited. Their delivery rate is flat and says
+        // nothing about the path; start-up must go on, so that the first transfer grows the
+        // window instead of starting at the floor.
+        let t0 = Instant::now();
+        let mut s = LossTolerantState::new(LossTolerantConfig::default(), t0, MTU);
+        let w0 = s.window();
+        let mut t = t0;
+        for _ in 0..200 {
+            t += MS;
+            s.on_ack(t, t - MS, 2 * 1200, false, MS, MS);
+            s.on_end_acks(1200);
+        }
+        assert!(s.in_startup());
+        // Small rounds that are not app-limited still grow the window (by what they ACK), as
+        // start-up does.
+        assert!(s.window() >= w0);
+        // The transfer: the window fills, the rate stops growing, start-up ends.
+        for _ in 0..200 {
+            t += MS;
+            s.on_ack(t, t - MS, 12_500, false, MS, MS);
+            s.on_end_acks(s.window());
+        }
+        assert!(!s.in_startup());
     }
 
     #[test]
@@ -943,6 +969,7 @@ mod path_model {
                         delivered += mtu;
                     }
                     s.on_ack(at(now), at(sent), mtu, false, srtt, min_rtt);
+                    s.on_end_acks(inflight);
                 }
                 Ev::Lost { sent } => {
                     s.on_congestion_event(at(now), at(sent), false, mtu, srtt, min_rtt.min(srtt));
