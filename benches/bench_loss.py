@@ -76,7 +76,10 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, q:
                     ok = np.array_equal(t.numpy(), want)
                 else:
                     a[:] = base
-                    dist.barrier()
+                    # Each backend starts from its own barrier: under heavy loss Gloo's lets
+                    # the ranks go hundreds of milliseconds apart (TCP's retransmission
+                    # timeout), and that wait would be timed as the all-reduce's.
+                    groups[name].barrier()
                     t0 = time.perf_counter()
                     groups[name].all_reduce(a)
                     dt = time.perf_counter() - t0
