@@ -44,8 +44,9 @@ pub struct LinkSpec {
     /// pipelined frames pay it in parallel. Zero unless calibrated (`mcp-sim validate`).
     pub overhead: Duration,
     /// Processor nanoseconds the sending end spends per wire byte (building, encrypting and
-    /// sending packets, the checksum, copies). Charged only when the simulation has a CPU
-    /// model ([`super::SimConfig::cpu`]); zero unless calibrated (`mcp-sim validate`).
+    /// sending packets, the checksum, copies), each resend of a lost packet included: a frame
+    /// of `b` bytes costs `b x cpu_tx / (1 - loss)`. Charged only when the simulation has a
+    /// CPU model ([`super::SimConfig::cpu`]); zero unless calibrated (`mcp-sim validate`).
     pub cpu_tx: f64,
     /// Processor nanoseconds the receiving end spends per wire byte (receiving and decrypting
     /// packets, the checksum, copies, the reduction), as [`LinkSpec::cpu_tx`].

@@ -505,7 +505,9 @@ impl SimNet {
                     let work = Work {
                         wire,
                         latency: ns(spec.latency),
-                        tx: (bytes * spec.cpu_tx).ceil() as u64,
+                        // Every try of a lost packet is built and sealed again; the
+                        // receiver only works on the packets that reach it.
+                        tx: (bytes * spec.cpu_tx / (1.0 - spec.loss)).ceil() as u64,
                         rx: (bytes * spec.cpu_rx).ceil() as u64,
                     };
                     book_cores(&mut state.cores, cpu, (src, dst), now, at, work)

@@ -431,6 +431,22 @@ fn frames_cost_their_ends_processor_time_on_the_cores_they_share() {
             "{got} s, expected {want} s"
         );
     }
+    // Under loss the sender builds and seals every lost packet again, the receiver works on
+    // what arrives: with one machine per rank, a step takes the sender's c x S/2 / (1 - p)
+    // (loss recovery's own delay left out here: no resend timeout).
+    let lossy = LinkSpec {
+        rto: Duration::ZERO,
+        ..link.with_loss(0.2)
+    };
+    let mut cfg = SimConfig::new(2, Topology::flat(lossy));
+    cfg.cpu = cores(2, 1);
+    let t = timed(&cfg, Algorithm::Ring, bytes, Codec::None);
+    assert!(t.exact);
+    let (got, want) = (t.elapsed.as_secs_f64(), 2.0 * step / 0.8);
+    assert!(
+        (got - want).abs() < want * 0.02,
+        "{got} s, expected {want} s"
+    );
     // Without a CPU model the same frames cost nothing but the (fast) link.
     assert!(time(None) < step / 10.0);
     // A one-core machine does both ends' work of a frame to itself.
