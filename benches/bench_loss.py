@@ -7,8 +7,9 @@ Each link condition is a fresh network namespace made by ``mcp-chaos`` (needs ro
 nftables): its loopback drops that share of packets, silently, on input (nftables
 ``numgen random``), and with ``--rate`` a second set of runs is rate-capped (tbf). Gloo's TCP
 and mcp_fast's UDP go through the same rule. Inside, every rank runs Gloo and mcp_fast
-(one group per ``--lanes`` entry, ``MCP_LANE``) alternately on the same float32 tensor, and
-checks that every all-reduce gave exactly the right values. Prints a Markdown table: median
+(one group per ``--lanes`` entry, ``MCP_LANE``) alternately on the same float32 tensor, each
+all-reduce after its own backend's barrier, and checks that every all-reduce gave exactly the
+right values. Prints a Markdown table: median
 time per all-reduce, speed-up over Gloo, and each mcp lane's slow-down against itself on the
 clean link. ``--json FILE`` also writes every row (seconds per all-reduce) for
 ``benches/plots.py``.
