@@ -451,8 +451,10 @@ class Group:
         """Deliver what was sent, say goodbye to the peers and release the socket."""
         core, self._core = self._core, None
         if core is not None:
-            _write_report(core)
+            # After the close, which waits for the peers' verdicts on what was sent: a resend
+            # they ask for meanwhile is counted in the report, as their damaged copy is in theirs.
             core.close()
+            _write_report(core)
         _live_groups.discard(self)
 
     def __enter__(self) -> Group:
