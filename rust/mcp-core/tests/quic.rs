@@ -76,6 +76,59 @@ async fn all_reduce_over(ts: Vec<Arc<QuicTransport>>, n: usize) {
     }
 }
 
+/// OK verdicts wait to share a packet (`OK_VERDICT_DELAY`): they still go when nothing else
+/// is sent after the frames, so the senders let go of every frame without closing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_verdicts_arrive_without_further_traffic() {
+    use mcp_core::transport::quic::OK_VERDICT_DELAY;
+    let ts = mesh(2, Some(b"verdicts")).await;
+    let groups: Vec<_> = ts
+        .iter()
+        .map(|t| Group::new(t.clone(), GroupConfig::default()))
+        .collect();
+    let tasks: Vec<_> = groups
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(r, g)| {
+            tokio::spawn(async move {
+                for i in 0..20u32 {
+                    let mut data: Vec<f32> = (0..1024).map(|k| (k % 7 + r) as f32).collect();
+                    let shape = [1024u64];
+                    let bytes = bytemuck_bytes(&mut data);
+                    // SAFETY: `data` outlives the awaited operation and nothing else touches it.
+                    let buf = unsafe { RawBuf::new(bytes.as_mut_ptr(), bytes.len()) };
+                    let t = Tensor {
+                        buf,
+                        dtype: DType::F32,
+                        shape: &shape,
+                        codec: Codec::None,
+                    };
+                    g.all_reduce(t, ReduceOp::Sum, Algorithm::Auto)
+                        .expect("valid")
+                        .await
+                        .expect("all_reduce");
+                    let want: Vec<f32> = (0..1024).map(|k| (2 * (k % 7) + 1) as f32).collect();
+                    assert_eq!(data, want, "operation {i}");
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("join");
+    }
+    // Bounded: a thousand times the delay, far beyond any scheduling hiccup.
+    let until = std::time::Instant::now() + OK_VERDICT_DELAY * 1000;
+    while ts.iter().any(|t| t.unacknowledged_streams() > 0) && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let left: Vec<usize> = ts.iter().map(|t| t.unacknowledged_streams()).collect();
+    assert_eq!(left, [0, 0], "frames still waiting for their verdicts");
+    for g in &groups {
+        g.close().await;
+    }
+}
+
 fn bytemuck_bytes(v: &mut [f32]) -> &mut [u8] {
     let len = std::mem::size_of_val(v);
     // SAFETY: f32 has no padding and any byte pattern is a valid u8.

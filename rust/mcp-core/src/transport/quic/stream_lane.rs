@@ -13,6 +13,9 @@
 //!    (the frame is filed), [`VERDICT_RESEND`] (it is dropped), or [`VERDICT_GIVE_UP`] once
 //!    the same frame has failed more than `resend_limit` times; then, and only then, the
 //!    operation fails with a `ProtocolError` that names the peer, the operation and the count.
+//!    A failure is answered at once; an OK only lets the sender free the frame, so OKs wait
+//!    [`OK_VERDICT_DELAY`] and leave together ([`OkVerdicts`]): one packet of verdicts per
+//!    millisecond rather than one per frame, which on a small operation is a packet each way.
 //! 3. On a resend request the sender writes the frame again on a fresh stream (a damaged
 //!    header cannot be trusted to frame a second copy on the same stream).
 //!
@@ -35,7 +38,8 @@ use bytes::Bytes;
 use quinn::{Connection, ConnectionError, RecvStream, SendStream};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 /// The receiver has the frame intact.
 pub const VERDICT_OK: u8 = 0;
@@ -43,6 +47,11 @@ pub const VERDICT_OK: u8 = 0;
 pub const VERDICT_RESEND: u8 = 1;
 /// The frame failed more often than the resend limit allows: the operation fails.
 pub const VERDICT_GIVE_UP: u8 = 2;
+
+/// How long an OK verdict waits for others to share its packet. A sender holds its frames this
+/// much longer (a millisecond of sending, well inside [`RETAIN_BYTES`]), and its shutdown,
+/// which waits for every verdict, as much.
+pub const OK_VERDICT_DELAY: Duration = Duration::from_millis(1);
 
 /// Frame bytes kept for resending, per process.
 pub const RETAIN_BYTES: usize = 1 << 30;
@@ -276,6 +285,41 @@ pub(super) async fn read_frame(
     Ok((header, hbytes.len(), payload))
 }
 
+/// The OK verdicts of one connection that wait to be sent together.
+#[derive(Default)]
+pub(super) struct OkVerdicts {
+    streams: Mutex<Vec<SendStream>>,
+    ready: tokio::sync::Notify,
+}
+
+impl OkVerdicts {
+    /// Queues the OK verdict of the frame that came on `send`'s stream.
+    fn push(&self, send: SendStream) {
+        self.streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(send);
+        self.ready.notify_one();
+    }
+}
+
+/// Sends the queued OK verdicts of `conn`, [`OK_VERDICT_DELAY`] after the first of each batch,
+/// until the connection ends (a sender still waiting then sends the frame again on the next
+/// connection, where it is answered as a copy).
+pub(super) async fn send_ok_verdicts(conn: Connection, oks: Arc<OkVerdicts>) {
+    loop {
+        tokio::select! {
+            () = oks.ready.notified() => {}
+            _ = conn.closed() => return,
+        }
+        tokio::time::sleep(OK_VERDICT_DELAY).await;
+        let due = std::mem::take(&mut *oks.streams.lock().unwrap_or_else(|p| p.into_inner()));
+        for mut send in due {
+            answer(&mut send, VERDICT_OK).await;
+        }
+    }
+}
+
 async fn answer(send: &mut SendStream, verdict: u8) {
     // Ahead of this side's own data: the sender holds the frame until the verdict.
     let _ = send.set_priority(super::CONTROL_PRIORITY);
@@ -284,7 +328,7 @@ async fn answer(send: &mut SendStream, verdict: u8) {
 }
 
 /// Receives one stream-lane frame (its magic already read), answers the sender's copy with a
-/// verdict and files the frame, or its final failure, in the mailbox. Returns the sender's
+/// verdict (an OK through `oks`) and files the frame, or its final failure, in the mailbox. Returns the sender's
 /// rank once the frame is filed (`None` while a resend is awaited). An error means the peer
 /// cannot be trusted any more: the caller fails every wait on it.
 pub(super) async fn receive_checked(
@@ -292,6 +336,7 @@ pub(super) async fn receive_checked(
     mut send: SendStream,
     mut recv: RecvStream,
     resends: &Resends,
+    oks: &OkVerdicts,
     magic: &[u8],
 ) -> Result<Option<usize>> {
     let (header, hlen, payload) = match read_frame(&mut recv, magic).await {
@@ -343,7 +388,7 @@ pub(super) async fn receive_checked(
             // A copy of a frame filed before (its verdict was lost with a connection) is
             // dropped, and answered OK so that its sender lets go of it.
             let filed = t.mailbox.dispatch(Frame { header, payload });
-            answer(&mut send, VERDICT_OK).await;
+            oks.push(send);
             if !filed {
                 return Ok(None);
             }
