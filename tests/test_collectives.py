@@ -75,6 +75,10 @@ def test_every_collective_matches_numpy(world: int) -> None:
         a2 = reduce_ref([data("float32", "sum", r, 5000, salt=2) for r in range(world)], "max")
         np.testing.assert_array_equal(out["async/1"], a1)
         np.testing.assert_array_equal(out["async/2"], a2)
+        a3 = reduce_ref([data("float32", "sum", r, 300_001, salt=3) for r in range(world)], "sum")
+        a4 = reduce_ref([data("float32", "sum", r, 1000, salt=4) for r in range(world)], "max")
+        np.testing.assert_array_equal(out["async/3"], a3)
+        np.testing.assert_array_equal(out["sync/4"], a4)
 
 
 def test_torch_cpu_tensors_in_place() -> None:

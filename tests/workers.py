@@ -87,6 +87,15 @@ def every_collective(rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
         assert w2.wait() and w1.wait()
         assert w1.is_completed() and w1.is_success() and w1.exception() is None
         out["async/1"], out["async/2"] = a1, a2
+        # A synchronous call runs on the calling thread while an earlier asynchronous one is
+        # still on the runtime: each keeps the order it was called in, on every rank.
+        a3 = data("float32", "sum", rank, 300_001, salt=3)
+        a4 = data("float32", "sum", rank, 1000, salt=4)
+        w3 = g.all_reduce(a3, async_op=True)
+        g.all_reduce(a4, op="max")
+        g.barrier()
+        assert w3.wait()
+        out["async/3"], out["sync/4"] = a3, a4
     return out
 
 

@@ -41,10 +41,24 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+# numpy computes ``dtype.name`` in Python on every access (microseconds, as long as a small
+# all-reduce's own work); the names of the few dtypes a program uses are kept here.
+_NUMPY_NAMES: dict[np.dtype[Any], str] = {}
+
+
+def _numpy_name(dtype: np.dtype[Any]) -> str:
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None:
+        name = dtype.name
+        if len(_NUMPY_NAMES) < 256:
+            _NUMPY_NAMES[dtype] = name
+    return name
+
+
 def view(x: Any, *, name: str) -> Buffer:
     """Describe ``x`` (a numpy array or a CPU torch tensor) for the core, in place."""
     if isinstance(x, np.ndarray):
-        return Buffer(name, x, x.dtype.name, tuple(x.shape), int(x.nbytes))
+        return Buffer(name, x, _numpy_name(x.dtype), tuple(x.shape), int(x.nbytes))
     if is_torch_tensor(x):
         import torch
 

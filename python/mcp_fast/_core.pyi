@@ -141,25 +141,61 @@ class ProcessGroup:
     def stats(self) -> dict[str, int]: ...
     def rtt(self, peer: int) -> float | None: ...
     def all_reduce(
-        self, tensor: TensorArg, op: str, algorithm: str, codec: str = ..., block: int = ...
+        self,
+        tensor: TensorArg,
+        op: str,
+        algorithm: str,
+        codec: str = ...,
+        block: int = ...,
+        wait: bool = ...,
     ) -> Work: ...
     def broadcast(
-        self, tensor: TensorArg, src: int, codec: str = ..., block: int = ...
+        self,
+        tensor: TensorArg,
+        src: int,
+        codec: str = ...,
+        block: int = ...,
+        wait: bool = ...,
     ) -> Work: ...
     def all_gather(
-        self, out: TensorArg, input: TensorArg, codec: str = ..., block: int = ...
+        self,
+        out: TensorArg,
+        input: TensorArg,
+        codec: str = ...,
+        block: int = ...,
+        wait: bool = ...,
     ) -> Work: ...
     def reduce_scatter(
-        self, out: TensorArg, input: TensorArg, op: str, codec: str = ..., block: int = ...
+        self,
+        out: TensorArg,
+        input: TensorArg,
+        op: str,
+        codec: str = ...,
+        block: int = ...,
+        wait: bool = ...,
     ) -> Work: ...
-    def barrier(self) -> Work: ...
+    def barrier(self, wait: bool = ...) -> Work: ...
     def send(
-        self, tensor: TensorArg, dst: int, tag: int, codec: str = ..., block: int = ...
+        self,
+        tensor: TensorArg,
+        dst: int,
+        tag: int,
+        codec: str = ...,
+        block: int = ...,
+        wait: bool = ...,
     ) -> Work: ...
     def recv(
-        self, tensor: TensorArg, src: int, tag: int, codec: str = ..., block: int = ...
+        self,
+        tensor: TensorArg,
+        src: int,
+        tag: int,
+        codec: str = ...,
+        block: int = ...,
+        wait: bool = ...,
     ) -> Work: ...
-    def recv_any(self, tensor: TensorArg, tag: int, codec: str = ..., block: int = ...) -> Work: ...
+    def recv_any(
+        self, tensor: TensorArg, tag: int, codec: str = ..., block: int = ..., wait: bool = ...
+    ) -> Work: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
 

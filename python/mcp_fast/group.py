@@ -103,6 +103,8 @@ class Work:
 
 
 def _finish(work: _core.Work, async_op: bool) -> Work | None:
+    """A synchronous call's Work is finished already (the calling thread ran it): ``wait``
+    only raises its error."""
     if async_op:
         return Work(work)
     work.wait(None)
@@ -287,7 +289,7 @@ class Group:
         ends with the same bits."""
         b = view(tensor, name="all_reduce tensor")
         codec = self._resolve_codec(codec, b)
-        w = self.core.all_reduce(b, _op_name(op), algorithm, codec, block)
+        w = self.core.all_reduce(b, _op_name(op), algorithm, codec, block, not async_op)
         return _finish(w, async_op)
 
     def _resolve_codec(self, codec: str, b: Buffer) -> str:
@@ -344,7 +346,9 @@ class Group:
         """Copy rank ``src``'s ``tensor`` into every other rank's, in place (with a lossy
         ``codec``, the root's tensor too becomes what the others decode)."""
         self._check_rank(src, "src")
-        w = self.core.broadcast(view(tensor, name="broadcast tensor"), src, codec, block)
+        w = self.core.broadcast(
+            view(tensor, name="broadcast tensor"), src, codec, block, not async_op
+        )
         return _finish(w, async_op)
 
     @_counted("all_gather")
@@ -366,7 +370,7 @@ class Group:
                 f"all_gather: output shape must be {(self.world_size, *i.shape)} "
                 f"(world_size, *input.shape), got {o.shape}"
             )
-        w = self.core.all_gather(o, i, codec, block)
+        w = self.core.all_gather(o, i, codec, block, not async_op)
         return _finish(w, async_op)
 
     @_counted("reduce_scatter")
@@ -392,13 +396,13 @@ class Group:
             )
         # The input travels as one flat vector whatever its shape.
         flat = replace(i, shape=(i.numel,))
-        w = self.core.reduce_scatter(o, flat, _op_name(op), codec, block)
+        w = self.core.reduce_scatter(o, flat, _op_name(op), codec, block, not async_op)
         return _finish(w, async_op)
 
     @_counted("barrier")
     def barrier(self, async_op: bool = False) -> Work | None:
         """Return once every rank has entered the barrier."""
-        return _finish(self.core.barrier(), async_op)
+        return _finish(self.core.barrier(not async_op), async_op)
 
     @_counted("send")
     def send(
@@ -412,7 +416,9 @@ class Group:
     ) -> Work | None:
         """Send ``tensor`` to rank ``dst``; matched in order with that rank's ``recv``."""
         self._check_rank(dst, "dst")
-        w = self.core.send(view(tensor, name="send tensor"), dst, _tag(tag), codec, block)
+        w = self.core.send(
+            view(tensor, name="send tensor"), dst, _tag(tag), codec, block, not async_op
+        )
         return _finish(w, async_op)
 
     @_counted("recv")
@@ -430,10 +436,10 @@ class Group:
         ``async_op=True``, a Work whose ``source_rank()`` tells it once done)."""
         b = view(tensor, name="recv tensor")
         if src is None:
-            w = self.core.recv_any(b, _tag(tag), codec, block)
+            w = self.core.recv_any(b, _tag(tag), codec, block, not async_op)
         else:
             self._check_rank(src, "src")
-            w = self.core.recv(b, src, _tag(tag), codec, block)
+            w = self.core.recv(b, src, _tag(tag), codec, block, not async_op)
         if async_op:
             return Work(w)
         w.wait(None)

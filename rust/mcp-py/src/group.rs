@@ -4,7 +4,7 @@
 
 use crate::errors::to_py;
 use crate::runtime::runtime;
-use crate::tensor_arg::{release_later, release_pending, Access, TensorArg};
+use crate::tensor_arg::{release_later, release_now, release_pending, Access, TensorArg};
 use crate::work::{Work, WorkState};
 use mcp_core::transport::quic::{LanePolicy, QuicConfig, QuicTransport};
 use mcp_core::wire::Codec;
@@ -103,24 +103,38 @@ pub struct ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Runs `op` on the runtime and returns its handle; `keepalive` is released when it ends.
+    /// Runs `op` and returns its handle; `keepalive` is released when it ends. With `wait`,
+    /// the calling thread drives the operation itself (without the GIL) and the handle comes
+    /// back finished: a synchronous call then costs no hand-over to a runtime thread and no
+    /// wake-up back, which is most of a small operation's time. Otherwise it runs on the
+    /// runtime, overlapping whatever the caller does next.
     fn start(
         &self,
         py: Python<'_>,
         name: &'static str,
         op: Result<OpFuture, Error>,
         args: Vec<TensorArg>,
+        wait: bool,
     ) -> PyResult<Work> {
         let op = op.map_err(|e| to_py(py, e))?;
         let state = Arc::new(WorkState::default());
-        let done = state.clone();
-        runtime(py)?.spawn(async move {
-            let r = op.await;
-            // Handed over before the result is visible, so that the wait that sees it
-            // releases the buffers before the caller touches them again.
-            release_later(args);
-            done.complete(r);
-        });
+        let rt = runtime(py)?;
+        if wait {
+            // The operation's sequence number was taken when it was built, so operations
+            // started earlier with `async_op=True` keep their order on every rank.
+            let r = py.detach(|| rt.block_on(op));
+            state.complete(r);
+            release_now(py, args);
+        } else {
+            let done = state.clone();
+            rt.spawn(async move {
+                let r = op.await;
+                // Handed over before the result is visible, so that the wait that sees it
+                // releases the buffers before the caller touches them again.
+                release_later(args);
+                done.complete(r);
+            });
+        }
         Ok(Work {
             state,
             op: name,
@@ -485,7 +499,8 @@ impl ProcessGroup {
     }
 
     /// All-reduce in place.
-    #[pyo3(signature = (tensor, op, algorithm, codec="none", block=256))]
+    #[pyo3(signature = (tensor, op, algorithm, codec="none", block=256, wait=false))]
+    #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
         py: Python<'_>,
@@ -494,17 +509,18 @@ impl ProcessGroup {
         algorithm: &str,
         codec: &str,
         block: u32,
+        wait: bool,
     ) -> PyResult<Work> {
         let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let op = ReduceOp::from_name(op).map_err(|e| to_py(py, e))?;
         let algo = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
         let fut = self.group.all_reduce(tensor_of(&a, codec), op, algo);
-        self.start(py, "all_reduce", fut, vec![a])
+        self.start(py, "all_reduce", fut, vec![a], wait)
     }
 
     /// Broadcast in place from `src`.
-    #[pyo3(signature = (tensor, src, codec="none", block=256))]
+    #[pyo3(signature = (tensor, src, codec="none", block=256, wait=false))]
     fn broadcast(
         &self,
         py: Python<'_>,
@@ -512,15 +528,16 @@ impl ProcessGroup {
         src: usize,
         codec: &str,
         block: u32,
+        wait: bool,
     ) -> PyResult<Work> {
         let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let fut = self.group.broadcast(tensor_of(&a, codec), src);
-        self.start(py, "broadcast", fut, vec![a])
+        self.start(py, "broadcast", fut, vec![a], wait)
     }
 
     /// All-gather `input` into `out`.
-    #[pyo3(signature = (out, input, codec="none", block=256))]
+    #[pyo3(signature = (out, input, codec="none", block=256, wait=false))]
     fn all_gather(
         &self,
         py: Python<'_>,
@@ -528,6 +545,7 @@ impl ProcessGroup {
         input: &Bound<'_, PyAny>,
         codec: &str,
         block: u32,
+        wait: bool,
     ) -> PyResult<Work> {
         let o = TensorArg::extract(out, Access::Write)?;
         let i = TensorArg::extract(input, Access::Read)?;
@@ -535,11 +553,12 @@ impl ProcessGroup {
         let fut = self
             .group
             .all_gather(tensor_of(&o, codec), tensor_of(&i, codec));
-        self.start(py, "all_gather", fut, vec![o, i])
+        self.start(py, "all_gather", fut, vec![o, i], wait)
     }
 
     /// Reduce-scatter `input` into `out`.
-    #[pyo3(signature = (out, input, op, codec="none", block=256))]
+    #[pyo3(signature = (out, input, op, codec="none", block=256, wait=false))]
+    #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -548,6 +567,7 @@ impl ProcessGroup {
         op: &str,
         codec: &str,
         block: u32,
+        wait: bool,
     ) -> PyResult<Work> {
         let o = TensorArg::extract(out, Access::Write)?;
         let i = TensorArg::extract(input, Access::Read)?;
@@ -556,11 +576,11 @@ impl ProcessGroup {
         let fut = self
             .group
             .reduce_scatter(tensor_of(&o, codec), tensor_of(&i, codec), op);
-        self.start(py, "reduce_scatter", fut, vec![o, i])
+        self.start(py, "reduce_scatter", fut, vec![o, i], wait)
     }
 
     /// Receive from whichever rank sends first.
-    #[pyo3(signature = (tensor, tag, codec="none", block=256))]
+    #[pyo3(signature = (tensor, tag, codec="none", block=256, wait=false))]
     fn recv_any(
         &self,
         py: Python<'_>,
@@ -568,6 +588,7 @@ impl ProcessGroup {
         tag: u32,
         codec: &str,
         block: u32,
+        wait: bool,
     ) -> PyResult<Work> {
         let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
@@ -575,19 +596,21 @@ impl ProcessGroup {
         let fut = self
             .group
             .recv_any(tensor_of(&a, codec), tag, source.clone());
-        let mut work = self.start(py, "recv", fut, vec![a])?;
+        let mut work = self.start(py, "recv", fut, vec![a], wait)?;
         work.source = Some(source);
         Ok(work)
     }
 
     /// Barrier.
-    fn barrier(&self, py: Python<'_>) -> PyResult<Work> {
+    #[pyo3(signature = (wait=false))]
+    fn barrier(&self, py: Python<'_>, wait: bool) -> PyResult<Work> {
         let fut = self.group.barrier();
-        self.start(py, "barrier", fut, Vec::new())
+        self.start(py, "barrier", fut, Vec::new(), wait)
     }
 
     /// Send to `dst`.
-    #[pyo3(signature = (tensor, dst, tag, codec="none", block=256))]
+    #[pyo3(signature = (tensor, dst, tag, codec="none", block=256, wait=false))]
+    #[allow(clippy::too_many_arguments)]
     fn send(
         &self,
         py: Python<'_>,
@@ -596,15 +619,17 @@ impl ProcessGroup {
         tag: u32,
         codec: &str,
         block: u32,
+        wait: bool,
     ) -> PyResult<Work> {
         let a = TensorArg::extract(tensor, Access::Read)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let fut = self.group.send(tensor_of(&a, codec), dst, tag);
-        self.start(py, "send", fut, vec![a])
+        self.start(py, "send", fut, vec![a], wait)
     }
 
     /// Receive from `src`.
-    #[pyo3(signature = (tensor, src, tag, codec="none", block=256))]
+    #[pyo3(signature = (tensor, src, tag, codec="none", block=256, wait=false))]
+    #[allow(clippy::too_many_arguments)]
     fn recv(
         &self,
         py: Python<'_>,
@@ -613,11 +638,12 @@ impl ProcessGroup {
         tag: u32,
         codec: &str,
         block: u32,
+        wait: bool,
     ) -> PyResult<Work> {
         let a = TensorArg::extract(tensor, Access::Write)?;
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let fut = self.group.recv(tensor_of(&a, codec), src, tag);
-        self.start(py, "recv", fut, vec![a])
+        self.start(py, "recv", fut, vec![a], wait)
     }
 
     /// Cancels every operation in flight now (they raise GroupClosedError).

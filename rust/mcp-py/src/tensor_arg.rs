@@ -116,6 +116,13 @@ impl TensorArg {
     }
 }
 
+/// Releases the buffers of an operation that finished on this thread, which holds the GIL.
+pub(crate) fn release_now(py: Python<'_>, args: Vec<TensorArg>) {
+    for arg in args {
+        arg.exported.release(py);
+    }
+}
+
 /// Buffers of finished operations, waiting for a thread with the GIL to release them.
 static TO_RELEASE: Mutex<Vec<TensorArg>> = Mutex::new(Vec::new());
 
@@ -133,7 +140,5 @@ pub(crate) fn release_later(args: Vec<TensorArg>) {
 /// Releases the buffers that finished operations handed over; needs the GIL (`py`).
 pub(crate) fn release_pending(py: Python<'_>) {
     let pending = std::mem::take(&mut *TO_RELEASE.lock().unwrap_or_else(|p| p.into_inner()));
-    for arg in pending {
-        arg.exported.release(py);
-    }
+    release_now(py, pending);
 }
