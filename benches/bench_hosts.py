@@ -98,8 +98,9 @@ def veth_of(net, i: int) -> str:
     return out.split(":")[1].strip().split("@")[0]
 
 
-# tbf's queue: 256 KB of burst, 50 ms of latency (then drops), as a shaped WAN port has.
-TBF = ["burst", "256kb", "latency", "50ms", "rate"]
+# tbf's queue: 256 KiB of burst, 50 ms of latency (then drops), as a shaped WAN port has.
+TBF_BURST_BYTES = 256 * 1024
+TBF = ["burst", str(TBF_BURST_BYTES), "latency", "50ms", "rate"]
 LIMITS_BIN = HERE.parent / "target" / "release" / "examples" / "link_limits"
 
 
@@ -269,6 +270,7 @@ def main() -> None:
             "link": link,
             "date": time.strftime("%F"),
             "cpus": os.cpu_count(),
+            **({"tbf_burst_bytes": TBF_BURST_BYTES} if args.rate else {}),
             **lim,
         }
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": result}, indent=1))

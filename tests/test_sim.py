@@ -203,6 +203,22 @@ def test_an_overhead_per_frame_delays_a_single_exchange_by_exactly_itself() -> N
         _core.sim_all_reduce(2, "ring", 4096.0, inter_overhead_s=-1.0)
 
 
+def test_a_shaped_link_passes_its_burst_before_it_holds_the_rate() -> None:
+    """tbf's bucket: a transfer that fits the burst leaves at the line's speed; a long one
+    pays the rate for what exceeds it; a shaper without a line faster than its rate is
+    refused."""
+    kw = dict(inter_gbps=1.0, inter_rtt_s=50e-6)
+    plain = _core.sim_all_reduce(2, "ring", 8 << 20, **kw)["elapsed_s"]
+    shaped = _core.sim_all_reduce(
+        2, "ring", 8 << 20, inter_burst_bytes=1 << 20, inter_peak_gbps=100.0, **kw
+    )["elapsed_s"]
+    # A 2-rank ring sends the tensor once each way: 1 MiB of it at 100 Gbit/s, not 1 Gbit/s.
+    saved = (1 << 20) * 8 / 1e9 * (1 - 1 / 100)
+    assert plain - shaped == pytest.approx(saved, rel=0.02)
+    with pytest.raises(ValueError, match="peak"):
+        _core.sim_all_reduce(2, "ring", 4096.0, inter_burst_bytes=1e5, **kw)
+
+
 def test_validate_predicts_every_measured_row_from_the_shipped_data() -> None:
     v = sim.validate(DATA)
     docs = {n: json.loads((DATA / f"{n}.json").read_text()) for n in sim.DATA_FILES}
@@ -247,6 +263,7 @@ def test_the_calibration_is_what_the_measurement_files_say() -> None:
     assert c.veth_rtt_s == clean["ping_median_s"]
     assert c.veth_1g_gbps == capped["quic_both_ways_gbit_s"]
     assert c.veth_1g_rtt_s == capped["ping_median_s"]
+    assert c.veth_1g_burst_bytes == capped["tbf_burst_bytes"] == 256 * 1024
     assert c.shm_gbps == sim.SHM_GBPS
     # Every fitted row is reproduced by its own figure.
     for r in v.rows:

@@ -52,6 +52,8 @@ def sim_all_reduce(
     intra_cpu_rx: float = 0.0,
     inter_cpu_tx: float = 0.0,
     inter_cpu_rx: float = 0.0,
+    inter_burst_bytes: float = 0.0,
+    inter_peak_gbps: float = 0.0,
 ) -> dict[str, Any]: ...
 def sim_rendezvous(
     world: int,

@@ -512,6 +512,7 @@ class Calibration:
     veth_rtt_s: float
     veth_1g_gbps: float
     veth_1g_rtt_s: float
+    veth_1g_burst_bytes: float
     overhead_s: float
     shm_gbps: float
     shm_overhead_s: float
@@ -585,8 +586,10 @@ def _predict(
     quic = cal.quic_cpu_ns + cal.app_cpu_ns
     if link == "loopback":
         gbps, rtt, quic = KERNEL_LINK_GBPS, cal.loopback_rtt_s, cal.loopback_cpu_ns
-    elif link == "veth_1g":
-        gbps, rtt = cal.veth_1g_gbps, cal.veth_1g_rtt_s
+    # tbf's bucket lets a burst through at the veth's own speed, then holds the rate.
+    burst = 0.0
+    if link == "veth_1g":
+        gbps, rtt, burst = cal.veth_1g_gbps, cal.veth_1g_rtt_s, cal.veth_1g_burst_bytes
     else:
         gbps, rtt = KERNEL_LINK_GBPS, cal.veth_rtt_s
     return _sim(
@@ -607,6 +610,8 @@ def _predict(
         intra_cpu_rx=8.0 / cal.shm_gbps,
         inter_cpu_tx=quic,
         inter_cpu_rx=quic,
+        inter_burst_bytes=burst,
+        inter_peak_gbps=KERNEL_LINK_GBPS if burst else 0.0,
     )
 
 
@@ -664,6 +669,7 @@ def calibrate(data: dict[str, dict[str, Any]], *, shm_gbps: float, seed: int) ->
         veth_rtt_s=_num(clean, meta, "ping_median_s"),
         veth_1g_gbps=_num(capped, capped["meta"], "quic_both_ways_gbit_s"),
         veth_1g_rtt_s=_num(capped, capped["meta"], "ping_median_s"),
+        veth_1g_burst_bytes=_num(capped, capped["meta"], "tbf_burst_bytes"),
         overhead_s=0.0,
         shm_gbps=shm_gbps,
         shm_overhead_s=0.0,
@@ -708,6 +714,7 @@ def calibrate(data: dict[str, dict[str, Any]], *, shm_gbps: float, seed: int) ->
         "veth_rtt_s": "hosts_clean meta ping_median_s (UDP ping-pong of 4 KiB)",
         "veth_1g_gbps": "hosts_1gbit meta quic_both_ways_gbit_s",
         "veth_1g_rtt_s": "hosts_1gbit meta ping_median_s",
+        "veth_1g_burst_bytes": "hosts_1gbit meta tbf_burst_bytes (the shaper's bucket)",
         "overhead_s": f"fitted: hosts_clean, 1 rank/host, {one['bytes']} B",
         "shm_gbps": "docs/shared-memory.md: 5.80 GB/s bus bandwidth, 2 ranks, 64 MiB, direct reads",
         "shm_overhead_s": f"fitted: hosts_clean, 2 ranks/host, {two['bytes']} B",
@@ -794,7 +801,10 @@ def _print_validation(v: Validation) -> None:
         f" shared memory {8 / c.shm_gbps:.3f} ns at the receiver ({c.shm_gbps:g} Gbit/s)"
     )
     print(f"  veth RTT {c.veth_rtt_s * 1e6:.1f} µs; loopback RTT {c.loopback_rtt_s * 1e6:.1f} µs")
-    print(f"  veth at 1 Gbit/s {c.veth_1g_gbps:.3f} Gbit/s, RTT {c.veth_1g_rtt_s * 1e6:.1f} µs")
+    print(
+        f"  veth at 1 Gbit/s {c.veth_1g_gbps:.3f} Gbit/s, RTT {c.veth_1g_rtt_s * 1e6:.1f} µs,"
+        f" tbf burst {c.veth_1g_burst_bytes / 1024:.0f} KiB at the veth's speed"
+    )
     print(
         f"  software overhead per frame (fitted): QUIC {c.overhead_s * 1e6:.1f} µs,"
         f" shared memory {c.shm_overhead_s * 1e6:.1f} µs"

@@ -46,7 +46,9 @@ fn topology(
 /// every frame's arrival on that kind of link (default 0). With `cores` > 0 the frames also
 /// cost processor time, `*_cpu_tx` / `*_cpu_rx` nanoseconds per wire byte at the sending and
 /// receiving end, on `cores` cores per machine shared by `ranks_per_machine` consecutive
-/// ranks (0: every rank on one machine). A failed rank is found by the transport's own
+/// ranks (0: every rank on one machine). `inter_burst_bytes` > 0 puts the links between
+/// hosts behind a token-bucket shaper (`tc tbf`) of that burst over a line of
+/// `inter_peak_gbps`. A failed rank is found by the transport's own
 /// failure detector, with keep-alives every `heartbeat_s`.
 #[pyfunction]
 #[pyo3(signature = (
@@ -54,7 +56,8 @@ fn topology(
     intra_gbps=2400.0, intra_rtt_s=4e-6, inter_gbps=100.0, inter_rtt_s=20e-6, loss=0.0,
     seed=0, heartbeat_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0,
     intra_overhead_s=0.0, inter_overhead_s=0.0, cores=0, ranks_per_machine=0,
-    intra_cpu_tx=0.0, intra_cpu_rx=0.0, inter_cpu_tx=0.0, inter_cpu_rx=0.0
+    intra_cpu_tx=0.0, intra_cpu_rx=0.0, inter_cpu_tx=0.0, inter_cpu_rx=0.0,
+    inter_burst_bytes=0.0, inter_peak_gbps=0.0
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn sim_all_reduce<'py>(
@@ -83,6 +86,8 @@ pub fn sim_all_reduce<'py>(
     intra_cpu_rx: f64,
     inter_cpu_tx: f64,
     inter_cpu_rx: f64,
+    inter_burst_bytes: f64,
+    inter_peak_gbps: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let algorithm = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
     let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
@@ -93,7 +98,10 @@ pub fn sim_all_reduce<'py>(
         loss,
     )?;
     topology.intra = topology.intra.with_cpu(intra_cpu_tx, intra_cpu_rx);
-    topology.inter = topology.inter.with_cpu(inter_cpu_tx, inter_cpu_rx);
+    topology.inter = topology
+        .inter
+        .with_cpu(inter_cpu_tx, inter_cpu_rx)
+        .with_bucket(inter_burst_bytes, inter_peak_gbps * 1e9 / 8.0);
     let mut cfg = SimConfig::new(world, topology);
     if cores > 0 {
         cfg.cpu = Some(Cpus {

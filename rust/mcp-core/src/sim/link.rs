@@ -11,6 +11,11 @@
 //! machine: it moves no faster than the slower of the link and its ends' processing, and
 //! frames that share a machine's cores wait for them (see `net.rs`).
 //!
+//! A link may be shaped by a token bucket, as `tc tbf` shapes one: `burst` bytes of tokens,
+//! refilled at `bandwidth` while the link does not use them; the bytes a frame finds tokens
+//! for leave at the `peak` rate of the line under the shaper, the rest at `bandwidth`. A
+//! short transfer after a pause therefore beats the shaped rate, as it does on a real shaper.
+//!
 //! Loss is modelled as a reliable stream pays for it, not as a vanished frame: the frame is
 //! `ceil(b / mtu)` packets, each lost independently with probability `p` on every try; a lost
 //! packet is resent one recovery time (`rto`) later, in parallel with the others, so the frame
@@ -51,6 +56,27 @@ pub struct LinkSpec {
     /// Processor nanoseconds the receiving end spends per wire byte (receiving and decrypting
     /// packets, the checksum, copies, the reduction), as [`LinkSpec::cpu_tx`].
     pub cpu_rx: f64,
+    /// Bytes of tokens a shaper's bucket holds (0: no shaper, every byte at `bandwidth`).
+    pub burst: f64,
+    /// Bytes per second at which bytes covered by tokens leave: the line under the shaper.
+    pub peak: f64,
+}
+
+/// The tokens of one shaped link direction: how many it held at `at` (virtual nanoseconds).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Bucket {
+    tokens: f64,
+    at: u64,
+}
+
+impl Bucket {
+    /// A bucket that has been idle long enough to be full.
+    pub(crate) fn full(spec: &LinkSpec) -> Bucket {
+        Bucket {
+            tokens: spec.burst,
+            at: 0,
+        }
+    }
 }
 
 impl LinkSpec {
@@ -68,7 +94,17 @@ impl LinkSpec {
             overhead: Duration::ZERO,
             cpu_tx: 0.0,
             cpu_rx: 0.0,
+            burst: 0.0,
+            peak: 0.0,
         }
+    }
+
+    /// The same link behind a token-bucket shaper of `burst` bytes over a line of `peak`
+    /// bytes per second (see the module's notes).
+    pub fn with_bucket(mut self, burst: f64, peak: f64) -> LinkSpec {
+        self.burst = burst;
+        self.peak = peak;
+        self
     }
 
     /// The same link costing its sending and receiving ends `tx` and `rx` processor
@@ -118,6 +154,19 @@ impl LinkSpec {
                 )));
             }
         }
+        if !(self.burst.is_finite() && self.burst >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "{what} link: burst must be a non-negative number of bytes, got {}",
+                self.burst
+            )));
+        }
+        if self.burst > 0.0 && !(self.peak.is_finite() && self.peak > self.bandwidth) {
+            return Err(Error::InvalidArgument(format!(
+                "{what} link: a shaper's burst needs the line's peak rate above its bandwidth \
+                 ({} bytes/s), got {}",
+                self.bandwidth, self.peak
+            )));
+        }
         if self.mtu < 64 {
             return Err(Error::InvalidArgument(format!(
                 "{what} link: mtu must be at least 64 bytes, got {}",
@@ -130,6 +179,32 @@ impl LinkSpec {
     /// Nanoseconds `bytes` occupy the link, retransmissions included.
     pub fn serialise_ns(&self, bytes: f64) -> u64 {
         (bytes / ((1.0 - self.loss) * self.bandwidth) * 1e9).ceil() as u64
+    }
+
+    /// Nanoseconds `bytes` occupy the link when they start at `start` with `bucket`'s
+    /// tokens, retransmissions included (they spend tokens too); leaves in `bucket` what is
+    /// left when the last byte has gone. Without a shaper, [`LinkSpec::serialise_ns`].
+    pub(crate) fn shaped_ns(&self, bytes: f64, bucket: &mut Bucket, start: u64) -> u64 {
+        if self.burst <= 0.0 {
+            return self.serialise_ns(bytes);
+        }
+        let idle_s = start.saturating_sub(bucket.at) as f64 * 1e-9;
+        let tokens = (bucket.tokens + idle_s * self.bandwidth).min(self.burst);
+        let wire = bytes / (1.0 - self.loss);
+        let fast = wire.min(tokens);
+        let secs = fast / self.peak + (wire - fast) / self.bandwidth;
+        let ns = (secs * 1e9).ceil() as u64;
+        // Tokens keep coming while the burst leaves; bytes beyond it use each as it comes.
+        let left = if wire <= tokens {
+            (tokens - wire + fast / self.peak * self.bandwidth).min(self.burst)
+        } else {
+            0.0
+        };
+        *bucket = Bucket {
+            tokens: left,
+            at: start.saturating_add(ns),
+        };
+        ns
     }
 }
 
@@ -241,6 +316,39 @@ mod tests {
     }
 
     #[test]
+    fn a_shaper_passes_its_burst_at_the_peak_rate_and_refills_at_its_rate() {
+        // 1 Gbit/s shaped, 256 KiB of tokens, over a 100 Gbit/s line.
+        let spec = LinkSpec::new(Duration::from_micros(50), 125e6).with_bucket(262_144.0, 12.5e9);
+        let mut b = Bucket::full(&spec);
+        // 1 MiB from a full bucket: 256 KiB at the peak, 768 KiB at the rate.
+        let first = spec.shaped_ns(1_048_576.0, &mut b, 1_000);
+        let want = ((262_144.0 / 12.5e9 + 786_432.0 / 125e6) * 1e9f64).ceil() as u64;
+        assert_eq!(first, want);
+        assert_eq!(b.tokens, 0.0);
+        // Straight after it: no tokens, every byte at the rate.
+        let second = spec.shaped_ns(1_048_576.0, &mut b, 1_000 + first);
+        assert_eq!(second, spec.serialise_ns(1_048_576.0));
+        // 1 ms idle refills 125 kB; a frame that fits leaves at the peak and keeps the rest.
+        let third = spec.shaped_ns(100_000.0, &mut b, 1_000 + first + second + 1_000_000);
+        assert_eq!(third, (100_000.0 / 12.5e9 * 1e9f64).ceil() as u64);
+        assert!(
+            (b.tokens - (125_000.0 - 100_000.0 + 1_000.0)).abs() < 1.0,
+            "{b:?}"
+        );
+        // The bucket never holds more than its burst.
+        let late = 1_000 + first + second + third + 10_000_000_000;
+        let fourth = spec.shaped_ns(1_048_576.0, &mut b, late);
+        assert_eq!(fourth, first);
+        // No shaper: the plain rate whatever the bucket says.
+        let plain = LinkSpec::new(Duration::from_micros(50), 125e6);
+        let mut none = Bucket::full(&plain);
+        assert_eq!(
+            plain.shaped_ns(1_048_576.0, &mut none, 0),
+            plain.serialise_ns(1_048_576.0)
+        );
+    }
+
+    #[test]
     fn bad_figures_are_refused() {
         let ok = LinkSpec::new(Duration::from_micros(50), 1e9);
         assert!(ok.validate("inter").is_ok());
@@ -256,5 +364,9 @@ mod tests {
         assert!(ok.with_cpu(0.5, f64::NAN).validate("x").is_err());
         assert!(ok.with_cpu(0.5, 0.5).validate("x").is_ok());
         assert_eq!(ok.serialise_ns(1e9), 1_000_000_000);
+        assert!(ok.with_bucket(-1.0, 1e10).validate("x").is_err());
+        assert!(ok.with_bucket(1e5, 1e9).validate("x").is_err());
+        assert!(ok.with_bucket(1e5, f64::INFINITY).validate("x").is_err());
+        assert!(ok.with_bucket(1e5, 1e10).validate("x").is_ok());
     }
 }

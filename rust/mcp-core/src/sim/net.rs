@@ -8,7 +8,7 @@
 //! an event), and jumps straight to the next timer when nothing else can happen, so that idle
 //! waits cost nothing.
 
-use super::link::{LinkRng, LinkSpec};
+use super::link::{Bucket, LinkRng, LinkSpec};
 use super::{Cpus, Fault, SimConfig, TraceEvent};
 use crate::error::{Error, Result};
 use crate::health::{Action, PeerMonitor, ProgressWatch};
@@ -106,6 +106,10 @@ struct State {
     ctl_pair_free: PairMap<u64>,
     /// When the control frames queued on each host's card have left.
     ctl_nic_free: Vec<u64>,
+    /// The shaper's tokens of each pair's link inside a host (a shaped intra-host link).
+    pair_bucket: PairMap<Bucket>,
+    /// The shaper's tokens of each host's card (a shaped inter-host link).
+    nic_bucket: Vec<Bucket>,
     /// What each core of each machine is booked for (empty without a CPU model).
     cores: Vec<Vec<Busy>>,
     /// The last control payload sent: the same one sent again (a rendezvous table to every
@@ -275,6 +279,11 @@ impl SimNet {
             nic_free: vec![0; w.div_ceil(cfg.topology.ranks_per_host)],
             ctl_pair_free: PairMap::default(),
             ctl_nic_free: vec![0; w.div_ceil(cfg.topology.ranks_per_host)],
+            pair_bucket: PairMap::default(),
+            nic_bucket: vec![
+                Bucket::full(&cfg.topology.inter);
+                w.div_ceil(cfg.topology.ranks_per_host)
+            ],
             cores: cfg
                 .cpu
                 .map(|c| vec![vec![Busy::new(); c.cores]; w.div_ceil(c.ranks_per_machine)])
@@ -478,21 +487,29 @@ impl SimNet {
         let bytes = header.encoded_len() as f64 + payload.len() as f64 * scale;
         let (sh, dh) = (self.host(src), self.host(dst));
         let state = &mut *st;
-        let (spec, free, ctl_free): (&LinkSpec, &mut u64, &mut u64) = if sh == dh {
-            (
-                &self.cfg.topology.intra,
-                state.pair_free.entry((src, dst)).or_insert(0),
-                state.ctl_pair_free.entry((src, dst)).or_insert(0),
-            )
-        } else {
-            (
-                &self.cfg.topology.inter,
-                &mut state.nic_free[sh],
-                &mut state.ctl_nic_free[sh],
-            )
-        };
-        let wire = spec.serialise_ns(bytes);
+        let intra = &self.cfg.topology.intra;
+        let (spec, free, ctl_free, bucket): (&LinkSpec, &mut u64, &mut u64, &mut Bucket) =
+            if sh == dh {
+                (
+                    intra,
+                    state.pair_free.entry((src, dst)).or_insert(0),
+                    state.ctl_pair_free.entry((src, dst)).or_insert(0),
+                    state
+                        .pair_bucket
+                        .entry((src, dst))
+                        .or_insert_with(|| Bucket::full(intra)),
+                )
+            } else {
+                (
+                    &self.cfg.topology.inter,
+                    &mut state.nic_free[sh],
+                    &mut state.ctl_nic_free[sh],
+                    &mut state.nic_bucket[sh],
+                )
+            };
         let (start, end) = if urgent {
+            // Control frames are a few hundred bytes: a shaper's tokens are not charged.
+            let wire = spec.serialise_ns(bytes);
             let start = now.max(*ctl_free);
             let end = start.saturating_add(wire);
             *ctl_free = end;
@@ -500,6 +517,8 @@ impl SimNet {
             (start, end)
         } else {
             let at = now.max(*free);
+            // Tokens counted at `at`: a frame that then waits for a core finds no fewer.
+            let wire = spec.shaped_ns(bytes, bucket, at);
             let (start, end) = match self.cfg.cpu {
                 Some(cpu) if spec.cpu_tx > 0.0 || spec.cpu_rx > 0.0 => {
                     let work = Work {
