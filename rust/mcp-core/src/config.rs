@@ -28,6 +28,28 @@ pub const HEARTBEAT_MS: (u64, u64) = (10, 3_600_000);
 /// Range of `mtu` in bytes: QUIC needs 1,200; 65,000 is the loopback datagram we use.
 pub const MTU: (u16, u16) = (1200, 65_000);
 
+/// Range of `MCP_THREADS`, the runtime's worker threads per process.
+pub const WORKER_THREADS: (usize, usize) = (1, 256);
+/// Worker threads when `MCP_THREADS` is not set. One is better for a collective group of
+/// ranks with two cores or fewer each (less processor time per small operation), two for a
+/// parameter server, whose one process serves every worker (docs/benchmarks.md).
+pub const DEFAULT_WORKER_THREADS: usize = 2;
+
+/// The runtime's worker threads for `MCP_THREADS`'s value (`None`: not set).
+pub fn worker_threads(value: Option<&str>) -> Result<usize, String> {
+    let Some(v) = value else {
+        return Ok(DEFAULT_WORKER_THREADS);
+    };
+    match v.trim().parse::<usize>() {
+        Ok(n) if (WORKER_THREADS.0..=WORKER_THREADS.1).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "MCP_THREADS={v:?} is not a thread count: set it to an integer from {} to {}, \
+             or unset it for the default ({DEFAULT_WORKER_THREADS})",
+            WORKER_THREADS.0, WORKER_THREADS.1
+        )),
+    }
+}
+
 /// One value of a configuration, as the binding hands it over.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConfigValue {
@@ -256,6 +278,20 @@ mod tests {
                 .expect_err("refused")
                 .to_string();
             assert!(err.contains(want), "{k}={v}: {err}");
+        }
+    }
+
+    #[test]
+    fn worker_threads_default_to_two_and_refuse_what_is_not_a_count() {
+        assert_eq!(worker_threads(None), Ok(DEFAULT_WORKER_THREADS));
+        assert_eq!(worker_threads(Some(" 1 ")), Ok(1));
+        assert_eq!(worker_threads(Some("256")), Ok(256));
+        for bad in ["0", "257", "-1", "many", ""] {
+            let err = worker_threads(Some(bad)).expect_err(bad);
+            assert!(
+                err.contains(&format!("MCP_THREADS={bad:?} is not a thread count")),
+                "{err}"
+            );
         }
     }
 }

@@ -38,18 +38,7 @@ pub fn runtime(py: Python<'_>) -> PyResult<&'static tokio::runtime::Runtime> {
     Ok(&rt.rt)
 }
 
-/// The runtime's worker threads: `MCP_THREADS`, else two. One is better for a collective
-/// group of ranks with two cores or fewer each (less processor time per small operation),
-/// two for a parameter server, whose one process serves every worker (docs/benchmarks.md).
+/// The runtime's worker threads: `MCP_THREADS`, checked in the core.
 fn worker_threads() -> Result<usize, String> {
-    match std::env::var("MCP_THREADS") {
-        Err(_) => Ok(2),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if (1..=256).contains(&n) => Ok(n),
-            _ => Err(format!(
-                "MCP_THREADS={v:?} is not a thread count: set it to an integer from 1 to 256, \
-                 or unset it for the default (2)"
-            )),
-        },
-    }
+    mcp_core::config::worker_threads(std::env::var("MCP_THREADS").ok().as_deref())
 }
