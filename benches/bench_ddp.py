@@ -1,6 +1,6 @@
 """Time DDP training steps with backend "mcp" against "gloo", on loopback and on a lossy link.
 
-    python benches/bench_ddp.py [--steps 20] [--loss 0.2] [--links loopback,lossy] [--json OUT]
+    python benches/bench_ddp.py [--steps 20] [--loss 0.2] [--links loopback,lossy,veth] [--json OUT]
 
 Two ranks (torchrun --standalone) train the same MLP (about 6 MiB of fp32 gradients with the
 default --width 1024) from the same seed on the same synthetic batches, once wrapped in DDP
@@ -15,8 +15,11 @@ packets in both directions, via nftables), which needs root, iproute2 and nftabl
 skipped with a message otherwise. Packets are dropped on arrival by default (``--hook input``),
 silently, as on a real lossy link; ``--hook output`` drops them as they are sent, where the
 sender's ``send`` fails with EPERM, and TCP (Gloo) then retransmits at once without waiting
-for a timeout, so that setting flatters Gloo. Prints a markdown table: median and p90 step time and
-samples/s per backend and link, and whether the two backends ended with the same parameters.
+for a timeout, so that setting flatters Gloo. ``veth`` puts one rank on each of two network
+namespaces joined by a veth pair (MTU 1500, as on Ethernet: two "hosts", QUIC between them,
+no shared memory), which needs root and iproute2. Prints a markdown table: median and p90
+step time and samples/s per backend and link, and whether the two backends ended with the
+same parameters.
 ``--json OUT`` also writes the step times per link and backend for ``benches/plots.py``.
 """
 
@@ -132,12 +135,16 @@ def _lossy_unavailable() -> str | None:
     return None
 
 
-def _run_link(args: argparse.Namespace, link: str, result: Path) -> tuple[int, float, str]:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd = [
-        *torchrun,
-        "--nproc-per-node",
-        "2",
+def _veth_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "missing ip (apt-get install -y iproute2)"
+    return None
+
+
+def _worker_args(args: argparse.Namespace, result: Path) -> list[str]:
+    return [
         os.path.abspath(__file__),
         "--worker",
         "--result",
@@ -146,6 +153,63 @@ def _run_link(args: argparse.Namespace, link: str, result: Path) -> tuple[int, f
         *("--batch", str(args.batch), "--width", str(args.width), "--inputs", str(args.inputs)),
         *("--budget", str(args.budget)),
     ]
+
+
+def _run_veth(args: argparse.Namespace, result: Path) -> tuple[int, float, str]:
+    """One rank in each of two namespace hosts, started as torchrun starts a rank of a
+    two-node job (RANK, WORLD_SIZE, MASTER_ADDR...), rank 0's host holding the store."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from _netns import VethPair
+
+    t0 = time.monotonic()
+    with VethPair(tag="ddp") as net:
+        procs = []
+        for r in (0, 1):
+            dev = (
+                subprocess.run(
+                    ["ip", "-n", net.ns[r], "-o", "link", "show", "type", "veth"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                .stdout.split(":")[1]
+                .strip()
+                .split("@")[0]
+            )
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": str(args.threads),
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": net.addr[0],
+                "MASTER_PORT": "29631",
+                # Gloo binds to the address the hostname resolves to unless told the device.
+                "GLOO_SOCKET_IFNAME": dev,
+            }
+            env.pop("MCP_CHAOS", None)
+            cmd = [sys.executable, *_worker_args(args, result)]
+            procs.append(
+                net.popen(
+                    r, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
+        logs = []
+        try:
+            for p in procs:
+                logs.append(p.communicate(timeout=args.budget + 60)[0])
+        except subprocess.TimeoutExpired:
+            return -1, time.monotonic() - t0, "".join(logs)[-2000:]
+        rc = next((p.returncode for p in procs if p.returncode != 0), 0)
+        return rc, time.monotonic() - t0, "".join(logs)[-3000:]
+
+
+def _run_link(args: argparse.Namespace, link: str, result: Path) -> tuple[int, float, str]:
+    if link == "veth":
+        return _run_veth(args, result)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc-per-node", "2", *_worker_args(args, result)]
     if link == "lossy":
         chaos = shutil.which("mcp-chaos") or str(Path(sys.executable).with_name("mcp-chaos"))
         cmd = [chaos, "--loss", str(args.loss), "--hook", args.hook, "--", *cmd]
@@ -181,9 +245,9 @@ def _row(link: str, backend: str, times: list[float], batch: int, world: int) ->
 
 def driver(args: argparse.Namespace) -> int:
     links = [x.strip() for x in args.links.split(",") if x.strip()]
-    bad = [x for x in links if x not in ("loopback", "lossy")]
+    bad = [x for x in links if x not in ("loopback", "lossy", "veth")]
     if bad:
-        print(f"bench_ddp: unknown link(s) {bad}; use loopback,lossy", file=sys.stderr)
+        print(f"bench_ddp: unknown link(s) {bad}; use loopback,lossy,veth", file=sys.stderr)
         return 2
     rows, notes = [], []
     failed = False
@@ -191,15 +255,14 @@ def driver(args: argparse.Namespace) -> int:
     per_link: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_ddp") as d:
         for link in links:
-            label = (
-                "loopback"
-                if link == "loopback"
-                else f"{args.loss:.0%} loss, {args.hook} hook (netns)"
-            )
-            if link == "lossy":
-                why = _lossy_unavailable()
+            label = {
+                "loopback": "loopback",
+                "veth": "two veth hosts (MTU 1500)",
+            }.get(link, f"{args.loss:.0%} loss, {args.hook} hook (netns)")
+            if link in ("lossy", "veth"):
+                why = _lossy_unavailable() if link == "lossy" else _veth_unavailable()
                 if why:
-                    print(f"skipping the lossy link: {why}", file=sys.stderr)
+                    print(f"skipping the {link} link: {why}", file=sys.stderr)
                     notes.append(f"- {label}: skipped, {why}")
                     continue
             result = Path(d) / f"{link}.json"
@@ -272,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.splitlines()[0],
         epilog="Example: python benches/bench_ddp.py --steps 20 --loss 0.2",
     )
-    p.add_argument("--links", default="loopback,lossy", help="loopback,lossy (default: both)")
+    p.add_argument(
+        "--links",
+        default="loopback,lossy",
+        help="loopback,lossy,veth (default: loopback,lossy)",
+    )
     p.add_argument("--loss", type=float, default=0.2, help="drop probability of the lossy link")
     p.add_argument(
         "--hook",
