@@ -10,7 +10,8 @@ is removed on exit. ``--json OUT`` writes the rows for ``make plots``.
 
 ``--limits`` first measures the path itself with ``rust/mcp-core/examples/link_limits.rs``
 (built with cargo if needed): raw UDP with GSO/GRO, a plain quinn bulk transfer on one
-stream, and a UDP ping-pong of 4 KiB, so the all-reduce figures can be read against them.
+stream, a UDP ping-pong of 4 KiB and a plain quinn one (4 KiB each way on one stream, one
+thread), so the all-reduce figures can be read against them.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def shape_link(net, args: argparse.Namespace) -> None:
 
 
 def limits(args: argparse.Namespace) -> dict:
-    """The path's own figures: raw UDP (GSO/GRO), plain quinn, UDP ping-pong."""
+    """The path's own figures: raw UDP (GSO/GRO), plain quinn, UDP and quinn ping-pongs."""
     from _netns import VethPair
 
     if not LIMITS_BIN.exists():
@@ -144,6 +145,10 @@ def limits(args: argparse.Namespace) -> dict:
             (
                 ["pong", f"{net.addr[1]}:9103", "4096", "2000"],
                 ["ping", f"{net.addr[1]}:9103", "4096", "2000"],
+            ),
+            (
+                ["quic-pong", f"{net.addr[1]}:9106", "4096", "2000", cert],
+                ["quic-ping", f"{net.addr[1]}:9106", "4096", "2000", cert],
             ),
         ]
         try:
@@ -251,7 +256,9 @@ def main() -> None:
             f"# path limits: raw UDP (GSO {lim.get('udp_gbit_s', 0):.2f} Gbit/s received), "
             f"plain quinn one stream {lim.get('quic_gbit_s', 0):.2f} Gbit/s "
             f"(each way while both ways run: {lim.get('quic_both_ways_gbit_s', 0):.2f}), "
-            f"UDP ping-pong of 4 KiB {lim.get('ping_median_s', 0) * 1e3:.3f} ms"
+            f"UDP ping-pong of 4 KiB {lim.get('ping_median_s', 0) * 1e3:.3f} ms, "
+            f"plain quinn ping-pong of 4 KiB on one stream "
+            f"{lim.get('quic_ping_median_s', 0) * 1e3:.3f} ms"
         )
     print("| ranks/host | size | Gloo | mcp_fast | Gloo / mcp_fast |")
     print("|---|---|---|---|---|")

@@ -1,5 +1,5 @@
 //! What a path allows without mcp_fast on it: raw UDP with segmentation offload (GSO/GRO), a
-//! plain quinn bulk transfer, and a UDP ping-pong. `benches/bench_hosts.py --limits` runs
+//! plain quinn bulk transfer, a UDP ping-pong, and a plain quinn ping-pong on one stream. `benches/bench_hosts.py --limits` runs
 //! each pair across the two namespace hosts, so the collective figures can be read against
 //! the path's own limits.
 //!
@@ -7,6 +7,7 @@
 //! link_limits udp-sink  BIND BYTES        link_limits udp-blast TO BYTES
 //! link_limits quic-sink BIND BYTES CERT   link_limits quic-send TO BYTES CERT
 //! link_limits pong BIND SIZE COUNT        link_limits ping TO SIZE COUNT
+//! link_limits quic-pong BIND SIZE COUNT CERT   link_limits quic-ping TO SIZE COUNT CERT
 //! ```
 //!
 //! Each sink or pong prints one line of JSON when done.
@@ -138,8 +139,8 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(p)
 }
 
-/// Receives one stream of `bytes` and reports the rate from its first byte to its end.
-async fn quic_sink(bind: SocketAddr, bytes: u64, cert_out: &str) -> Res<()> {
+/// A server endpoint on `bind` with a fresh self-signed certificate, written to `cert_out`.
+fn server_endpoint(bind: SocketAddr, cert_out: &str) -> Res<quinn::Endpoint> {
     let key = rcgen::generate_simple_self_signed(vec!["limits.invalid".into()])?;
     std::fs::write(cert_out, key.cert.der())?;
     let der = rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into());
@@ -152,34 +153,16 @@ async fn quic_sink(bind: SocketAddr, bytes: u64, cert_out: &str) -> Res<()> {
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     cfg.transport_config(Arc::new(transport()));
-    let ep = quinn::Endpoint::new(
+    Ok(quinn::Endpoint::new(
         quinn::EndpointConfig::default(),
         Some(cfg),
         big_socket(bind)?,
         Arc::new(quinn::TokioRuntime),
-    )?;
-    let conn = ep.accept().await.ok_or("endpoint closed")?.await?;
-    let mut s = conn.accept_uni().await?;
-    let (mut got, mut first) = (0u64, None);
-    while let Some(chunk) = s.read_chunk(usize::MAX, false).await? {
-        first.get_or_insert_with(Instant::now);
-        got += chunk.bytes.len() as u64;
-    }
-    let secs = first.map_or(0.0, |f: Instant| f.elapsed().as_secs_f64());
-    let stats = conn.stats();
-    println!(
-        "{{\"quic_received_bytes\": {got}, \"quic_seconds\": {secs:.6}, \"quic_gbit_s\": {:.3}, \"quic_lost_packets\": {}}}",
-        got as f64 * 8.0 / secs.max(1e-9) / 1e9,
-        stats.path.lost_packets
-    );
-    conn.close(0u32.into(), b"done");
-    ep.wait_idle().await;
-    let _ = bytes;
-    Ok(())
+    )?)
 }
 
-/// Sends `bytes` on one stream from shared buffers (no copy on our side).
-async fn quic_send(to: SocketAddr, bytes: u64, cert: &str) -> Res<()> {
+/// A connection to the server at `to` whose certificate is in `cert`.
+async fn connect(to: SocketAddr, cert: &str) -> Res<quinn::Connection> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(rustls::pki_types::CertificateDer::from(std::fs::read(
         cert,
@@ -204,7 +187,35 @@ async fn quic_send(to: SocketAddr, bytes: u64, cert: &str) -> Res<()> {
         Arc::new(quinn::TokioRuntime),
     )?;
     ep.set_default_client_config(cfg);
-    let conn = ep.connect(to, "limits.invalid")?.await?;
+    Ok(ep.connect(to, "limits.invalid")?.await?)
+}
+
+/// Receives one stream of `bytes` and reports the rate from its first byte to its end.
+async fn quic_sink(bind: SocketAddr, bytes: u64, cert_out: &str) -> Res<()> {
+    let ep = server_endpoint(bind, cert_out)?;
+    let conn = ep.accept().await.ok_or("endpoint closed")?.await?;
+    let mut s = conn.accept_uni().await?;
+    let (mut got, mut first) = (0u64, None);
+    while let Some(chunk) = s.read_chunk(usize::MAX, false).await? {
+        first.get_or_insert_with(Instant::now);
+        got += chunk.bytes.len() as u64;
+    }
+    let secs = first.map_or(0.0, |f: Instant| f.elapsed().as_secs_f64());
+    let stats = conn.stats();
+    println!(
+        "{{\"quic_received_bytes\": {got}, \"quic_seconds\": {secs:.6}, \"quic_gbit_s\": {:.3}, \"quic_lost_packets\": {}}}",
+        got as f64 * 8.0 / secs.max(1e-9) / 1e9,
+        stats.path.lost_packets
+    );
+    conn.close(0u32.into(), b"done");
+    ep.wait_idle().await;
+    let _ = bytes;
+    Ok(())
+}
+
+/// Sends `bytes` on one stream from shared buffers (no copy on our side).
+async fn quic_send(to: SocketAddr, bytes: u64, cert: &str) -> Res<()> {
+    let conn = connect(to, cert).await?;
     let mut s = conn.open_uni().await?;
     let block = Bytes::from(vec![7u8; 1 << 20]);
     let mut left = bytes;
@@ -215,6 +226,44 @@ async fn quic_send(to: SocketAddr, bytes: u64, cert: &str) -> Res<()> {
     }
     s.finish()?;
     conn.closed().await;
+    Ok(())
+}
+
+/// Echoes `count` messages of `size` bytes on one bidirectional stream.
+async fn quic_pong(bind: SocketAddr, size: usize, count: usize, cert_out: &str) -> Res<()> {
+    let ep = server_endpoint(bind, cert_out)?;
+    let conn = ep.accept().await.ok_or("endpoint closed")?.await?;
+    let (mut send, mut recv) = conn.accept_bi().await?;
+    let mut buf = vec![0u8; size.max(1)];
+    for _ in 0..count {
+        recv.read_exact(&mut buf).await?;
+        send.write_all(&buf).await?;
+    }
+    send.finish()?;
+    conn.closed().await;
+    Ok(())
+}
+
+/// Sends `count` messages of `size` bytes on one stream, each after the last one's echo: the
+/// round trip of a small message through quinn alone (one thread, no hand-overs).
+async fn quic_ping(to: SocketAddr, size: usize, count: usize, cert: &str) -> Res<()> {
+    let conn = connect(to, cert).await?;
+    let (mut send, mut recv) = conn.open_bi().await?;
+    let buf = vec![1u8; size.max(1)];
+    let mut back = vec![0u8; size.max(1)];
+    let mut rtts = Vec::with_capacity(count);
+    for _ in 0..count {
+        let t0 = Instant::now();
+        send.write_all(&buf).await?;
+        recv.read_exact(&mut back).await?;
+        rtts.push(t0.elapsed().as_secs_f64());
+    }
+    // The first exchanges open the stream and grow the window: not the steady state.
+    let steady = &mut rtts[count / 10..];
+    steady.sort_by(f64::total_cmp);
+    let median = steady.get(steady.len() / 2).copied().unwrap_or(f64::NAN);
+    println!("{{\"quic_ping_bytes\": {size}, \"quic_ping_median_s\": {median:.9}}}");
+    conn.close(0u32.into(), b"done");
     Ok(())
 }
 
@@ -271,8 +320,21 @@ fn main() -> Res<()> {
         "quic-send" => rt()?.block_on(quic_send(addr, n, &arg(&args, 4, "cert path")?)),
         "pong" => pong(addr, n as usize, arg(&args, 4, "count")?.parse()?),
         "ping" => ping(addr, n as usize, arg(&args, 4, "count")?.parse()?),
+        "quic-pong" => rt()?.block_on(quic_pong(
+            addr,
+            n as usize,
+            arg(&args, 4, "count")?.parse()?,
+            &arg(&args, 5, "cert path")?,
+        )),
+        "quic-ping" => rt()?.block_on(quic_ping(
+            addr,
+            n as usize,
+            arg(&args, 4, "count")?.parse()?,
+            &arg(&args, 5, "cert path")?,
+        )),
         m => Err(format!(
-            "unknown mode {m:?}: udp-sink, udp-blast, quic-sink, quic-send, pong, ping"
+            "unknown mode {m:?}: udp-sink, udp-blast, quic-sink, quic-send, pong, ping, \
+             quic-pong, quic-ping"
         )
         .into()),
     }
