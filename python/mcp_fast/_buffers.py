@@ -55,14 +55,29 @@ def _numpy_name(dtype: np.dtype[Any]) -> str:
     return name
 
 
+# torch dtypes whose tensors ``Tensor.numpy()`` shares as numpy arrays of the same name.
+_NUMPY_HAS = frozenset(
+    {
+        *("bool", "uint8", "int8", "int16", "int32", "int64"),
+        *("float16", "float32", "float64", "complex64", "complex128"),
+    }
+)
+_TORCH_NAMES: dict[Any, str] = {}
+
+
+def _torch_name(dtype: Any) -> str:
+    name = _TORCH_NAMES.get(dtype)
+    if name is None:
+        name = _TORCH_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def view(x: Any, *, name: str) -> Buffer:
     """Describe ``x`` (a numpy array or a CPU torch tensor) for the core, in place."""
     if isinstance(x, np.ndarray):
         return Buffer(name, x, _numpy_name(x.dtype), tuple(x.shape), int(x.nbytes))
     if is_torch_tensor(x):
-        import torch
-
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise TypeError(
                 f"{name}: tensors on {x.device} are not supported by this API; "
                 "move them to the CPU (.cpu()) or use the torch.distributed backend 'mcp'"
@@ -73,10 +88,15 @@ def view(x: Any, *, name: str) -> Buffer:
             raise ValueError(
                 f"{name}: lazily conjugated/negated views are not supported; resolve()"
             )
+        dtype = _torch_name(x.dtype)
+        t = x.detach() if x.requires_grad else x
         try:
-            data = x.detach().reshape(-1).view(torch.uint8).numpy()
+            # numpy's own view where numpy has the dtype (the cheapest), else the bytes.
+            if dtype in _NUMPY_HAS:
+                data = t.numpy()
+            else:
+                data = t.reshape(-1).view(sys.modules["torch"].uint8).numpy()
         except (RuntimeError, TypeError) as e:
             raise TypeError(f"{name}: dtype {x.dtype} is not supported ({e})") from None
-        dtype = str(x.dtype).removeprefix("torch.")
         return Buffer(name, data, dtype, tuple(x.shape), int(data.nbytes))
     raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
