@@ -103,11 +103,11 @@ pub struct ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Runs `op` and returns its handle; `keepalive` is released when it ends. With `wait`,
-    /// the calling thread drives the operation itself (without the GIL) and the handle comes
-    /// back finished: a synchronous call then costs no hand-over to a runtime thread and no
-    /// wake-up back, which is most of a small operation's time. Otherwise it runs on the
-    /// runtime, overlapping whatever the caller does next.
+    /// Runs `op` and returns its handle; the buffers in `args` are released when it ends.
+    /// With `wait`, the calling thread drives the operation itself (without the GIL) and the
+    /// handle comes back finished: a synchronous call then costs no hand-over to a runtime
+    /// thread and no wake-up back, which is most of a small operation's time. Otherwise it
+    /// runs on the runtime, overlapping whatever the caller does next.
     fn start(
         &self,
         py: Python<'_>,

@@ -328,9 +328,9 @@ async fn answer(send: &mut SendStream, verdict: u8) {
 }
 
 /// Receives one stream-lane frame (its magic already read), answers the sender's copy with a
-/// verdict (an OK through `oks`) and files the frame, or its final failure, in the mailbox. Returns the sender's
-/// rank once the frame is filed (`None` while a resend is awaited). An error means the peer
-/// cannot be trusted any more: the caller fails every wait on it.
+/// verdict (an OK through `oks`) and files the frame, or its final failure, in the mailbox.
+/// Returns the sender's rank once the frame is filed (`None` while a resend is awaited). An
+/// error means the peer cannot be trusted any more: the caller fails every wait on it.
 pub(super) async fn receive_checked(
     me: &Weak<QuicTransport>,
     mut send: SendStream,
