@@ -9,6 +9,8 @@ import pytest
 
 import mcp_fast as mcp
 from _launch import Failure, ok, run
+from mcp_fast import _core
+from mcp_fast._buffers import view
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,21 @@ def test_single_rank_collectives_are_identity(solo: mcp.Group) -> None:
     solo.all_gather(out, a)
     np.testing.assert_array_equal(out[0], a)
     solo.barrier()
+
+
+def test_zero_dimensional_tensors_are_reduced_in_place(solo: mcp.Group) -> None:
+    import torch
+
+    a = np.array(2.5, dtype="float32")
+    solo.all_reduce(a, op="avg")
+    assert a.shape == () and a == np.float32(2.5)
+    for t in (torch.tensor(1.5), torch.tensor(7, dtype=torch.int64), torch.tensor(1.0).bfloat16()):
+        want = t.clone()
+        solo.all_reduce(t)
+        assert t.shape == () and torch.equal(t, want)
+    # A gradient norm over 0-d gradients (a scalar parameter's), as the guards take it.
+    norm, bad = _core.grad_norm([view(np.array(3.0, "float32"), name="g")])
+    assert norm == pytest.approx(3.0) and bad is False
 
 
 def test_init_needs_rank_and_world_size(monkeypatch: pytest.MonkeyPatch) -> None:

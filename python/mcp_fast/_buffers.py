@@ -75,7 +75,10 @@ def _torch_name(dtype: Any) -> str:
 def view(x: Any, *, name: str) -> Buffer:
     """Describe ``x`` (a numpy array or a CPU torch tensor) for the core, in place."""
     if isinstance(x, np.ndarray):
-        return Buffer(name, x, _numpy_name(x.dtype), tuple(x.shape), int(x.nbytes))
+        # A 0-d array exports no shape, which the buffer protocol's reader refuses: its
+        # one-element view shares the memory.
+        data = x if x.ndim else x.reshape(1)
+        return Buffer(name, data, _numpy_name(x.dtype), tuple(x.shape), int(x.nbytes))
     if is_torch_tensor(x):
         if not x.is_cpu:
             raise TypeError(
@@ -90,6 +93,8 @@ def view(x: Any, *, name: str) -> Buffer:
             )
         dtype = _torch_name(x.dtype)
         t = x.detach() if x.requires_grad else x
+        if t.dim() == 0:
+            t = t.reshape(1)  # as a 0-d numpy array, see above
         try:
             # numpy's own view where numpy has the dtype (the cheapest), else the bytes.
             if dtype in _NUMPY_HAS:
