@@ -165,17 +165,6 @@ def _run_veth(args: argparse.Namespace, result: Path) -> tuple[int, float, str]:
     with VethPair(tag="ddp") as net:
         procs = []
         for r in (0, 1):
-            dev = (
-                subprocess.run(
-                    ["ip", "-n", net.ns[r], "-o", "link", "show", "type", "veth"],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
-                .stdout.split(":")[1]
-                .strip()
-                .split("@")[0]
-            )
             env = {
                 **os.environ,
                 "OMP_NUM_THREADS": str(args.threads),
@@ -186,7 +175,7 @@ def _run_veth(args: argparse.Namespace, result: Path) -> tuple[int, float, str]:
                 "MASTER_ADDR": net.addr[0],
                 "MASTER_PORT": "29631",
                 # Gloo binds to the address the hostname resolves to unless told the device.
-                "GLOO_SOCKET_IFNAME": dev,
+                "GLOO_SOCKET_IFNAME": net.dev[r],
             }
             env.pop("MCP_CHAOS", None)
             cmd = [sys.executable, *_worker_args(args, result)]

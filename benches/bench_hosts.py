@@ -90,16 +90,6 @@ def human(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def veth_of(net, i: int) -> str:
-    out = subprocess.run(
-        ["ip", "-n", net.ns[i], "-o", "link", "show", "type", "veth"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return out.split(":")[1].strip().split("@")[0]
-
-
 # tbf's queue: 256 KiB of burst, 50 ms of latency (then drops), as a shaped WAN port has.
 TBF_BURST_BYTES = 256 * 1024
 TBF = ["burst", str(TBF_BURST_BYTES), "latency", "50ms", "rate"]
@@ -108,7 +98,7 @@ LIMITS_BIN = HERE.parent / "target" / "release" / "examples" / "link_limits"
 
 def shape_link(net, args: argparse.Namespace) -> None:
     for i in (0, 1):
-        dev = veth_of(net, i)
+        dev = net.dev[i]
         if args.mtu:
             subprocess.run(["ip", "-n", net.ns[i], "link", "set", dev, "mtu", str(args.mtu)])
         if args.rate:
@@ -204,7 +194,7 @@ def run_one(per_host: int, args: argparse.Namespace) -> list[dict]:
     world = 2 * per_host
     with VethPair(tag=f"b{per_host}") as net:
         shape_link(net, args)
-        devs = [veth_of(net, i) for i in (0, 1)]
+        devs = net.dev
         procs = []
         for r in range(world):
             # Gloo binds to the address the hostname resolves to unless told the interface.

@@ -44,6 +44,9 @@ class VethPair:
         self.ns = [f"{base}-0", f"{base}-1"]
         subnet = 10 + pid % 240  # keeps the /24 apart from concurrent runs, mostly
         self.addr = [f"10.213.{subnet}.1", f"10.213.{subnet}.2"]
+        # Each namespace's end of the pair (names live in the namespace after the move,
+        # at most 15 characters).
+        self.dev = [f"mh{pid}a"[-15:], f"mh{pid}b"[-15:]]
         self._procs: list[subprocess.Popen[Any]] = []
 
     def __enter__(self) -> VethPair:
@@ -59,8 +62,7 @@ class VethPair:
 
     def _setup(self) -> None:
         a, b = self.ns
-        # The veth names live in each namespace only after the move; names are <= 15 chars.
-        va, vb = f"mh{os.getpid()}a"[-15:], f"mh{os.getpid()}b"[-15:]
+        va, vb = self.dev
         _ip("netns", "add", a)
         _ip("netns", "add", b)
         _ip("link", "add", va, "type", "veth", "peer", "name", vb)
