@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -262,17 +263,62 @@ class _SlowFuture:
         self.inner.set_exception(error)
 
 
+class _CoreWork:
+    """Stands in for a core operation: it ends (with ``error``, if any) when ``end()`` is
+    called, from any thread."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        import threading
+
+        self._ended = threading.Event()
+        self._error = error
+        self.waits = 0
+
+    def end(self) -> None:
+        self._ended.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        assert self._ended.wait(10), "the stand-in operation never ended"
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._ended.is_set()
+
+
+class _CountingPool:
+    """A completion pool that counts what it is handed."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.inner = ThreadPoolExecutor(max_workers=2)
+        self.submitted = 0
+
+    def submit(self, fn: Any) -> Any:
+        self.submitted += 1
+        return self.inner.submit(fn)
+
+
 @pytest.mark.parametrize("error", [None, RuntimeError("peer lost")])
 def test_future_is_complete_once_wait_returns(error: BaseException | None) -> None:
+    # The future was asked for, so a completion thread and the waiting thread both finish
+    # the work: whichever gets there second must still find the future complete.
     import threading
 
     from mcp_fast.torch.backend import MCPWork
 
+    pool = _CountingPool()
     out = [torch.ones(2)]
-    work = MCPWork(out)
+    work = MCPWork(out, pool)  # type: ignore[arg-type]
+    core = _CoreWork(error)
+    work.works = [core]
     slow = _SlowFuture()
     work._future = slow  # type: ignore[assignment]
-    threading.Thread(target=work._finish, args=(error,)).start()
+    work.get_future()
+    threading.Timer(0.05, core.end).start()
     if error is None:
         assert work.wait() is True
         assert slow.inner.done()
@@ -281,16 +327,79 @@ def test_future_is_complete_once_wait_returns(error: BaseException | None) -> No
         with pytest.raises(RuntimeError, match="peer lost"):
             work.wait()
         assert slow.inner.done()
+    assert pool.submitted == 1
+    pool.inner.shutdown(wait=True)
+
+
+def test_a_waited_work_finishes_on_the_waiting_thread_once() -> None:
+    # A synchronous call: the caller waits, the work's after-steps run on its thread, once,
+    # and no completion thread is involved (each would be a thread hop per operation).
+    import threading
+
+    from mcp_fast.torch.backend import MCPWork
+
+    pool = _CountingPool()
+    ran: list[int] = []
+    work = MCPWork([], pool, after=lambda: ran.append(threading.get_ident()))  # type: ignore[arg-type]
+    core = _CoreWork()
+    work.works = [core]
+    assert not work.is_completed()
+    threading.Timer(0.05, core.end).start()
+    assert work.wait() is True
+    assert work.wait() is True  # a second wait finds it finished
+    assert ran == [threading.get_ident()]
+    assert pool.submitted == 0
+    assert work.is_completed() and work.is_success() and work.exception() is None
+    assert work.get_future().done()
+    pool.inner.shutdown(wait=True)
+
+
+def test_a_failed_work_raises_on_every_wait_and_skips_its_after_steps() -> None:
+    from mcp_fast.torch.backend import MCPWork
+
+    pool = _CountingPool()
+    ran: list[str] = []
+    work = MCPWork(
+        [], pool, after=lambda: ran.append("after"), cleanup=lambda: ran.append("cleanup")
+    )  # type: ignore[arg-type]
+    core = _CoreWork(RuntimeError("peer lost"))
+    work.works = [core]
+    core.end()
+    assert work.is_completed()
+    assert not work.is_success()
+    assert isinstance(work.exception(), RuntimeError)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="peer lost"):
+            work.wait()
+    assert ran == ["cleanup"]
+    pool.inner.shutdown(wait=True)
+
+
+def test_a_bounded_wait_times_out_while_the_operation_runs() -> None:
+    from mcp_fast.errors import MCPTimeoutError
+    from mcp_fast.torch.backend import MCPWork
+
+    pool = _CountingPool()
+    work = MCPWork([], pool)  # type: ignore[arg-type]
+    core = _CoreWork()
+    work.works = [core]
+    with pytest.raises(MCPTimeoutError, match="still running"):
+        work.wait(timeout=0.05)
+    core.end()
+    assert work.wait(timeout=10) is True
+    pool.inner.shutdown(wait=True)
 
 
 def test_wait_inside_the_works_own_callback_does_not_block() -> None:
     from mcp_fast.torch.backend import MCPWork
 
-    work = MCPWork([torch.zeros(1)])
+    pool = _CountingPool()
+    work = MCPWork([torch.zeros(1)], pool)  # type: ignore[arg-type]
     seen: list[bool] = []
-    work.get_future().then(lambda _f: seen.append(work.wait()))
-    work._finish(None)
-    assert seen == [True]
+    work.get_future().then(lambda _f: seen.extend([work.wait(), work.is_completed()]))
+    assert work.wait() is True
+    assert len(seen) == 2 and seen[0] is True
+    pool.inner.shutdown(wait=True)
 
 
 _TORCHRUN_SCRIPT = """

@@ -6,9 +6,10 @@ there. The job secret comes from ``MCP_SECRET`` or, when unset, rank 0 generates
 publishes it through the same Store: then whoever can read the Store can join (the Store is
 torch's own trust boundary; set ``MCP_SECRET`` to make the TLS handshake the boundary).
 
-Every operation returns a torch Work made from a Future that a small pool of completion
-threads fulfils once the Rust core finishes; futures are never completed on the transport's
-threads, so hooks that ``wait()`` inside ``then`` callbacks (PowerSGD) cannot deadlock it.
+Every operation returns a torch Work (:class:`MCPWork`): ``wait()`` finishes it on the
+calling thread once the Rust core has; its Future, once asked for, is fulfilled by a small pool
+of completion threads, never on the transport's threads, so hooks that ``wait()`` inside
+``then`` callbacks (PowerSGD) cannot deadlock it.
 CUDA tensors are staged through host memory (see ``_staging``).
 """
 
@@ -38,23 +39,73 @@ _A2A_TAG = 0x4D415441  # marks the point-to-point messages of all_to_all
 
 
 class MCPWork(dist._Work):
-    """The work handle of one operation: ``wait()`` blocks until the completion thread has
-    finished it and raises its error (a torch Work made from a bare Future would swallow it);
-    ``get_future()`` is completed with the output tensors, or with the exception."""
+    """The work handle of one operation over the core's operations ``works``.
 
-    def __init__(self, result: Any) -> None:
+    ``wait()`` waits for them on the calling thread and finishes the work there: the
+    ``after`` steps (writing staged tensors back, copying gathered results out), then
+    ``cleanup`` and the future; a synchronous call therefore wakes once, from the core.
+    ``get_future()`` hands the same finishing to a completion thread, so that the future
+    completes although nobody waits (DDP chains its callbacks on it). Whichever thread gets
+    there first finishes the work, once; ``wait()`` raises the operation's error (a torch
+    Work made from a bare Future would swallow it)."""
+
+    def __init__(
+        self,
+        result: Any,
+        pool: ThreadPoolExecutor,
+        after: Callable[[], None] | None = None,
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__()
         self._result = result
+        self._pool = pool
+        self._after = after
+        self._cleanup = cleanup
+        self.works: list[Any] = []
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
         self._source: Callable[[], int | None] | None = None
         self._finisher: int | None = None
+        self._settle_lock = threading.RLock()  # a future callback may ask is_completed()
+        self._settled = False
+        self._scheduled = False
+
+    def _settle(self) -> None:
+        """Waits for the core's operations on this thread, then finishes the work unless
+        another thread already has."""
+        error: BaseException | None = None
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as e:
+            error = e
+        with self._settle_lock:
+            if self._settled:
+                return
+            self._settled = True
+            try:
+                if error is None and self._after is not None:
+                    self._after()
+            except BaseException as e:
+                error = e
+            finally:
+                if self._cleanup is not None:
+                    self._cleanup()
+            self._finish(error)
+
+    def _schedule(self) -> None:
+        """Has a completion thread finish the work (once)."""
+        with self._settle_lock:
+            if self._settled or self._scheduled:
+                return
+            self._scheduled = True
+        self._pool.submit(self._settle)
 
     def _finish(self, error: BaseException | None) -> None:
         # The future is completed before `wait()` may return, so that a caller who saw
-        # `wait()` return always finds `get_future()` done. Its callbacks run here, on the
-        # completion thread; one that waits on this very work must not block on itself.
+        # `wait()` return always finds `get_future()` done. Its callbacks run on the thread
+        # that finishes the work; one that waits on this very work must not block on itself.
         self._error = error
         self._finisher = threading.get_ident()
         try:
@@ -69,25 +120,34 @@ class MCPWork(dist._Work):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         if seconds is not None and seconds <= 0:
             seconds = None
-        in_own_callback = self._finisher == threading.get_ident()
-        if not in_own_callback and not self._done.wait(seconds):
-            from ..errors import MCPTimeoutError
+        if self._finisher != threading.get_ident() and not self._done.is_set():
+            if seconds is None:
+                self._settle()
+            else:
+                # A bounded wait: a completion thread finishes it while this one watches
+                # the clock.
+                self._schedule()
+                if not self._done.wait(seconds):
+                    from ..errors import MCPTimeoutError
 
-            raise MCPTimeoutError(f"operation still running after {seconds} s")
+                    raise MCPTimeoutError(f"operation still running after {seconds} s")
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
+        if not self._done.is_set() and all(w.is_completed() for w in self.works):
+            self._settle()  # every core operation ended: finishing it does not block
         return self._done.is_set()
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> BaseException | None:
-        return self._error
+        return self._error if self.is_completed() else None
 
     def get_future(self) -> torch.futures.Future:
+        self._schedule()
         return self._future
 
     def _source_rank(self) -> int:
@@ -230,34 +290,26 @@ class MCPProcessGroup(dist.ProcessGroup):
         result: Any,
         staged: Sequence[Staged] = (),
         after: Callable[[], None] | None = None,
-    ) -> Any:
-        """Starts the operation now (so every rank issues it in call order) and returns a work
-        handle that a completion thread finishes with ``result``."""
-        work = MCPWork(result)
-        try:
-            works = [w for w in start() if w is not None]
-        except BaseException as e:
+    ) -> MCPWork:
+        """Starts the operation now (so every rank issues it in call order) and returns its
+        work handle (see :class:`MCPWork`), which finishes with ``result``."""
+
+        def write_back() -> None:
+            for s in staged:
+                s.write_back()
+            if after is not None:
+                after()
+
+        def release() -> None:
             for s in staged:
                 s.release()
+
+        work = MCPWork(result, self._pool, write_back, release)
+        try:
+            work.works = [w for w in start() if w is not None]
+        except BaseException as e:
+            release()
             raise e
-
-        def finish() -> None:
-            error: BaseException | None = None
-            try:
-                for w in works:
-                    w.wait()
-                for s in staged:
-                    s.write_back()
-                if after is not None:
-                    after()
-            except BaseException as e:
-                error = e
-            finally:
-                for s in staged:
-                    s.release()
-            work._finish(error)
-
-        self._pool.submit(finish)
         return work
 
     # ---- identity -------------------------------------------------------------------------
@@ -521,19 +573,9 @@ class MCPProcessGroup(dist.ProcessGroup):
         work._source = lambda: works[0].source_rank() if works else None
         return work
 
-    def _chain(self, works: list[Any], result: Any) -> Any:
-        work = MCPWork(result)
-
-        def finish() -> None:
-            error: BaseException | None = None
-            try:
-                for w in works:
-                    w.wait()
-            except BaseException as e:
-                error = e
-            work._finish(error)
-
-        self._pool.submit(finish)
+    def _chain(self, works: list[Any], result: Any) -> MCPWork:
+        work = MCPWork(result, self._pool)
+        work.works = works
         return work
 
     # ---- lifetime -------------------------------------------------------------------------
