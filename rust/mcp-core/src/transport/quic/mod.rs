@@ -1126,8 +1126,9 @@ impl QuicTransport {
     }
 
     /// Closes every connection and the endpoint, after the frames already sent are delivered:
-    /// waits until the peers acknowledged every stream, tells each peer goodbye, and waits for
-    /// it to finish reading and close its side. Each wait lasts while the peers still answer
+    /// waits until the peers acknowledged every stream, tells each peer goodbye (local peers
+    /// through the shared-memory ring too, behind its frames), and waits for it to finish
+    /// reading and close its side. Each wait lasts while the peers still answer
     /// (at most 5 s without a datagram from them, four idle timeouts in all).
     pub async fn shutdown(&self) {
         if self.closing.swap(true, Ordering::AcqRel) {
@@ -1141,11 +1142,6 @@ impl QuicTransport {
         // Frames still on their way (a slow, lossy link can take many seconds): wait while
         // the peers still answer, not a fixed time.
         let (stall, cap) = (self.shutdown_stall(), self.shutdown_cap());
-        // Behind every frame in the ring: a goodbye, then the ring is closed.
-        let goodbye = rendezvous::goodbye_header(self, &[]);
-        for link in self.shm_links.iter().filter_map(|l| l.get()) {
-            link.close_with(&goodbye, &[], stall).await;
-        }
         wait_while_alive(
             || self.unacked_streams.load(Ordering::Acquire) > 0,
             &open,
@@ -1153,6 +1149,14 @@ impl QuicTransport {
             cap,
         )
         .await;
+        // Behind every frame in the ring: a goodbye, then the ring is closed. Only once the
+        // peers confirmed what went over QUIC: a local peer takes the ring's goodbye as our
+        // last word, and frames sent before the ring was up (or by the FEC lane, still being
+        // repaired) must not arrive after it.
+        let goodbye = rendezvous::goodbye_header(self, &[]);
+        for link in self.shm_links.iter().filter_map(|l| l.get()) {
+            link.close_with(&goodbye, &[], stall).await;
+        }
         let conns: Vec<(usize, Connection)> = self
             .peers
             .iter()
