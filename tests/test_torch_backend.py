@@ -272,13 +272,11 @@ class _CoreWork:
 
         self._ended = threading.Event()
         self._error = error
-        self.waits = 0
 
     def end(self) -> None:
         self._ended.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        self.waits += 1
         assert self._ended.wait(10), "the stand-in operation never ended"
         if self._error is not None:
             raise self._error
@@ -387,6 +385,35 @@ def test_a_bounded_wait_times_out_while_the_operation_runs() -> None:
         work.wait(timeout=0.05)
     core.end()
     assert work.wait(timeout=10) is True
+    pool.inner.shutdown(wait=True)
+
+
+def test_is_completed_does_not_wait_for_another_thread_finishing_the_work() -> None:
+    # A thread finishing the work runs its after-steps and its future's callbacks, which may
+    # wait on other works; asking is_completed() meanwhile (from a callback of one of them,
+    # say) must answer, not queue behind it.
+    import threading
+
+    from mcp_fast.torch.backend import MCPWork
+
+    pool = _CountingPool()
+    started, gate = threading.Event(), threading.Event()
+
+    def slow_after() -> None:
+        started.set()
+        gate.wait(10)
+
+    core = _CoreWork()
+    core.end()
+    work = MCPWork([], pool, [core], after=slow_after)  # type: ignore[arg-type]
+    finisher = threading.Thread(target=work.wait)
+    finisher.start()
+    assert started.wait(10)
+    assert work.is_completed() is False
+    assert not gate.is_set()  # answered while the other thread still held the work
+    gate.set()
+    finisher.join(10)
+    assert work.is_completed() is True
     pool.inner.shutdown(wait=True)
 
 

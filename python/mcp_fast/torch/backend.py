@@ -53,6 +53,7 @@ class MCPWork(dist._Work):
         self,
         result: Any,
         pool: ThreadPoolExecutor,
+        works: Sequence[Any] = (),
         after: Callable[[], None] | None = None,
         cleanup: Callable[[], None] | None = None,
     ) -> None:
@@ -61,7 +62,7 @@ class MCPWork(dist._Work):
         self._pool = pool
         self._after = after
         self._cleanup = cleanup
-        self.works: list[Any] = []
+        self.works: list[Any] = list(works)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future = torch.futures.Future()
@@ -71,16 +72,19 @@ class MCPWork(dist._Work):
         self._settled = False
         self._scheduled = False
 
-    def _settle(self) -> None:
+    def _settle(self, blocking: bool = True) -> None:
         """Waits for the core's operations on this thread, then finishes the work unless
-        another thread already has."""
+        another thread already has. Not ``blocking``: returns at once if another thread is
+        finishing it (its future's callbacks may take long, or wait on other works)."""
         error: BaseException | None = None
         try:
             for w in self.works:
                 w.wait()
         except BaseException as e:
             error = e
-        with self._settle_lock:
+        if not self._settle_lock.acquire(blocking=blocking):
+            return
+        try:
             if self._settled:
                 return
             self._settled = True
@@ -93,6 +97,8 @@ class MCPWork(dist._Work):
                 if self._cleanup is not None:
                     self._cleanup()
             self._finish(error)
+        finally:
+            self._settle_lock.release()
 
     def _schedule(self) -> None:
         """Has a completion thread finish the work (once)."""
@@ -137,7 +143,9 @@ class MCPWork(dist._Work):
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and all(w.is_completed() for w in self.works):
-            self._settle()  # every core operation ended: finishing it does not block
+            # Every core operation ended: finishing the work here waits for nothing, and
+            # if another thread is finishing it, that thread's answer is not waited for.
+            self._settle(blocking=False)
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -304,13 +312,12 @@ class MCPProcessGroup(dist.ProcessGroup):
             for s in staged:
                 s.release()
 
-        work = MCPWork(result, self._pool, write_back, release)
         try:
-            work.works = [w for w in start() if w is not None]
+            works = [w for w in start() if w is not None]
         except BaseException as e:
             release()
             raise e
-        return work
+        return MCPWork(result, self._pool, works, write_back, release)
 
     # ---- identity -------------------------------------------------------------------------
 
@@ -574,9 +581,7 @@ class MCPProcessGroup(dist.ProcessGroup):
         return work
 
     def _chain(self, works: list[Any], result: Any) -> MCPWork:
-        work = MCPWork(result, self._pool)
-        work.works = works
-        return work
+        return MCPWork(result, self._pool, works)
 
     # ---- lifetime -------------------------------------------------------------------------
 

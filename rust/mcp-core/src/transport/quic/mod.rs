@@ -1151,8 +1151,8 @@ impl QuicTransport {
         .await;
         // Behind every frame in the ring: a goodbye, then the ring is closed. Only once the
         // peers confirmed what went over QUIC: a local peer takes the ring's goodbye as our
-        // last word, and frames sent before the ring was up (or by the FEC lane, still being
-        // repaired) must not arrive after it.
+        // last word, and a frame that went to it over QUIC (while its ring was not usable)
+        // must not arrive after it.
         let goodbye = rendezvous::goodbye_header(self, &[]);
         for link in self.shm_links.iter().filter_map(|l| l.get()) {
             link.close_with(&goodbye, &[], stall).await;
