@@ -550,3 +550,58 @@ async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
         t.shutdown().await;
     }
 }
+
+/// The peer says goodbye while a frame to it is still being sent. On the FEC lane the peer
+/// decodes a frame before its last parity shards are queued here, so a peer whose last
+/// operation needed only that frame may finish and close meanwhile: the send finishes, not
+/// cut off by our side's close, and a send begun after the goodbye fails naming the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_under_way_when_the_peer_says_goodbye_finishes() {
+    use mcp_core::transport::quic::LanePolicy;
+    use mcp_core::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+    let ts = mesh_with(2, |c| c.bulk.policy = LanePolicy::Fec).await;
+    let header = |seq: u64, payload: &[u8]| Header {
+        kind: FrameKind::Send,
+        minor: PROTOCOL_MINOR,
+        seq,
+        step: 0,
+        chunk: 0,
+        chunk_count: 1,
+        src: 0,
+        aux: 0,
+        spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
+        payload_len: payload.len() as u64,
+        payload_crc: crc32c::crc32c(payload),
+    };
+    let payload: Vec<u8> = (0..32usize << 20).map(|j| (j * 31) as u8).collect();
+    let packets = || ts[0].path_stats(1).map_or(0, |p| p.sent_packets);
+    let before = packets();
+    let (tx, h) = (ts[0].clone(), header(0, &payload));
+    let send = tokio::spawn(async move { tx.send_frame(1, &h, &payload).await });
+    // Under way: 256 datagrams of the frame handed to the socket (of thousands).
+    let start = std::time::Instant::now();
+    while packets() < before + 256 && !send.is_finished() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the send never began"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(!send.is_finished(), "the send finished before the goodbye");
+    ts[1].shutdown().await;
+    let res = tokio::time::timeout(Duration::from_secs(120), send)
+        .await
+        .expect("the send finished")
+        .expect("join");
+    assert!(res.is_ok(), "cut off by the goodbye: {res:?}");
+    let late = vec![7u8; 64];
+    match ts[0].send_frame(1, &header(1, &late), &late).await {
+        Err(Error::PeerLost {
+            rank: 1, reason, ..
+        }) => {
+            assert!(reason.contains("closed its group"), "{reason}")
+        }
+        other => panic!("a send after the goodbye: {other:?}"),
+    }
+    ts[0].shutdown().await;
+}

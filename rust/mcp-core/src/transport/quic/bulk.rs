@@ -663,6 +663,9 @@ impl BulkRx {
 /// Reads the datagrams of `conn` and files each shard with its transfer.
 pub(super) async fn datagram_loop(conn: Connection, bulk: Arc<BulkRx>) {
     while let Ok(d) = conn.read_datagram().await {
+        if d.is_empty() {
+            continue; // a leaving peer asking for our close (see `ask_for_close`)
+        }
         bulk.datagrams.fetch_add(1, Ordering::Relaxed);
         let Some(id) = d.get(..8) else { continue };
         let mut tid = [0u8; 8];

@@ -205,8 +205,30 @@ struct PeerSlot {
     /// Frames received from this peer on its connections that broke (the goodbye's count
     /// covers them too).
     carried: AtomicU64,
+    /// Sends to this peer under way over QUIC. When the peer says goodbye, our side of the
+    /// connection closes only once they are done: the peer may have its frame already (an
+    /// FEC-lane frame decodes before its last parity shards are queued) and left because its
+    /// last operation had what it needed, and closing under the send would fail it here.
+    sending: AtomicUsize,
     /// Loss measured on the path to this peer, and datagrams queued to it.
     path: Mutex<bulk::PathLoss>,
+}
+
+impl PeerSlot {
+    /// Counts a send to this peer as under way until the guard is dropped.
+    fn sending_guard(&self) -> SendingGuard<'_> {
+        self.sending.fetch_add(1, Ordering::SeqCst);
+        SendingGuard(&self.sending)
+    }
+}
+
+/// A send under way to one peer (see [`PeerSlot::sending`]).
+struct SendingGuard<'a>(&'a AtomicUsize);
+
+impl Drop for SendingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Counters that tests and diagnostics read.
@@ -427,6 +449,7 @@ impl QuicTransport {
                     dial: tokio::sync::Mutex::new(()),
                     sent: AtomicU64::new(0),
                     carried: AtomicU64::new(0),
+                    sending: AtomicUsize::new(0),
                     path: Mutex::new(bulk::PathLoss::default()),
                 })
                 .collect(),
@@ -1171,6 +1194,7 @@ impl QuicTransport {
         }
         // Each peer closes the connection once it has read every frame we announced.
         for (_, c) in &conns {
+            tokio::spawn(ask_for_close(c.clone()));
             let c2 = c.clone();
             wait_while_alive(
                 move || c2.close_reason().is_none(),
@@ -1530,6 +1554,19 @@ async fn wait_while_alive(
     }
 }
 
+/// Asks the peer to repeat its close until it arrives: a close lost on the path (a flooded
+/// receive buffer, a lossy link) is sent again by QUIC only in answer to a packet, and the
+/// leaving side is otherwise silent. An empty datagram, which the FEC lane ignores, every
+/// 100 ms.
+async fn ask_for_close(conn: Connection) {
+    while conn.close_reason().is_none() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if conn.send_datagram(bytes::Bytes::new()).is_err() {
+            return;
+        }
+    }
+}
+
 /// The peer said goodbye after sending `expected` frames: wait until we have read them all
 /// (while it still answers: see [`wait_while_alive`]), then fail later waits on it and close
 /// our side.
@@ -1560,6 +1597,17 @@ async fn farewell(
             reason: "it closed its group".into(),
         },
     );
+    // Sends that began before the goodbye finish first (see `PeerSlot::sending`); new ones
+    // fail now that the peer has left.
+    if let Some(slot) = t.peers.get(src) {
+        wait_while_alive(
+            || slot.sending.load(Ordering::SeqCst) > 0,
+            std::slice::from_ref(conn),
+            stall,
+            cap,
+        )
+        .await;
+    }
     conn.close(VarInt::from_u32(close_code::GOODBYE), b"goodbye");
 }
 
@@ -1682,6 +1730,9 @@ impl Transport for QuicTransport {
             self.ensure_dialled(peer);
             return self.send_shm(link, peer, header, payload).await;
         }
+        // Counted before the connection is looked up, which fails once the peer has left:
+        // a farewell either sees this send or makes it fail at once.
+        let _sending = self.slot(peer)?.sending_guard();
         let mut conn = self.conn(peer).await?;
         // A connection that breaks under the send is replaced (see `reconnect`): the frame
         // goes again, whole, on the next one; the receiver drops a copy it already filed.
