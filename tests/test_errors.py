@@ -39,6 +39,8 @@ def test_bad_arguments_are_refused_before_sending(solo: mcp.Group) -> None:
         solo.all_reduce([1.0, 2.0])
     with pytest.raises(ValueError, match="unsupported op"):
         solo.all_reduce(a, op="median")
+    with pytest.raises(ValueError, match="bitwise"):
+        solo.all_reduce(a, op="bxor")
     with pytest.raises(ValueError, match="algorithm"):
         solo.all_reduce(a, algorithm="butterfly")
     with pytest.raises(ValueError, match="floating"):

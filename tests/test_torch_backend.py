@@ -194,6 +194,20 @@ def test_every_dtype_moves_bit_exactly_and_reduces_like_gloo() -> None:
                 assert got == want[key], (rank, name, key)
 
 
+def test_bitwise_ops_reduce_like_gloo_and_floats_are_refused() -> None:
+    # BAND, BOR and BXOR on every integer dtype Gloo reduces and on bool, 3 ranks (an odd
+    # count, where a xor counted twice would show): Gloo's bytes; a float tensor and
+    # PREMUL_SUM are a ValueError naming the op, on every rank.
+    mcp = ok(run("torch_workers.bitwise_ops", 3, "mcp", timeout=180))
+    gloo = ok(run("torch_workers.bitwise_ops", 3, "gloo", timeout=180))
+    for rank in range(3):
+        assert len(gloo[rank]) == (30 if rank == 2 else 15)
+        for key, want in gloo[rank].items():
+            assert mcp[rank][key] == want, (rank, key)
+        assert mcp[rank]["float BXOR"].startswith("ValueError: op 'bxor' is bitwise")
+        assert mcp[rank]["PREMUL_SUM"].startswith('ValueError: unsupported op "premul_sum"')
+
+
 @pytest.mark.parametrize("first", ["mcp_fast.torch", "mcp_fast", "torch"])
 def test_any_import_order_registers_the_backend(first: str) -> None:
     # `import mcp_fast.torch` first makes torch's import run our entry point while the package

@@ -417,6 +417,44 @@ def every_dtype(rank: int, world: int, backend: str) -> dict[str, Any]:
     return out
 
 
+BITWISE_DTYPES = ["bool", "uint8", "int8", "int32", "int64"]
+
+
+def bitwise_ops(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """all_reduce and reduce with BAND, BOR and BXOR on the integer dtypes Gloo reduces, as
+    bytes; on mcp also what a floating tensor and PREMUL_SUM raise."""
+    _init(backend)
+    out: dict[str, Any] = {}
+    for name in BITWISE_DTYPES:
+        dt = getattr(torch, name)
+        # Bits that differ by rank and position, negative values among the signed ones.
+        base = (torch.arange(40, dtype=torch.int64) * (2 * rank + 3) + 5 * rank) % 251 - 60
+        mine = base % 2 == 1 if dt == torch.bool else base.to(dt)
+        for op in ("BAND", "BOR", "BXOR"):
+            r = mine.clone()
+            dist.all_reduce(r, op=getattr(dist.ReduceOp, op))
+            out[f"{name} all_reduce {op}"] = r.view(torch.uint8).numpy().tobytes()
+            r = mine.clone()
+            dist.reduce(r, dst=world - 1, op=getattr(dist.ReduceOp, op))
+            if rank == world - 1:
+                out[f"{name} reduce {op}"] = r.view(torch.uint8).numpy().tobytes()
+    if backend == "mcp":
+        for what, call in [
+            ("float BXOR", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BXOR)),
+            (
+                "PREMUL_SUM",
+                lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0)),
+            ),
+        ]:
+            try:
+                call()
+                out[what] = "no error"
+            except Exception as e:  # the type is what the test checks
+                out[what] = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+    return out
+
+
 def hier_model() -> nn.Module:
     """Larger than the hierarchical all-reduce's 64 KiB threshold (16,897 float32)."""
     torch.manual_seed(3)

@@ -17,18 +17,13 @@ from ._buffers import Buffer, view
 from .errors import GroupClosedError, SharedMemoryWarning
 from .settings import Settings, env_int
 
-_OPS = {"sum", "avg", "mean", "min", "max", "prod", "product"}
-
 
 def _op_name(op: Any) -> str:
-    """Accept 'sum'/'avg'/'min'/'max'/'prod' or a torch.distributed.ReduceOp."""
+    """The name of ``op``: a name ('sum', 'avg', 'min', 'max', 'prod', 'band', 'bor',
+    'bxor') or a torch.distributed.ReduceOp (the core refuses the names it does not know)."""
     if isinstance(op, str):
-        name = op.lower()
-    else:
-        name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
-    if name not in _OPS:
-        raise ValueError(f"unsupported op {op!r}; use 'sum', 'avg', 'min', 'max' or 'prod'")
-    return name
+        return op
+    return str(getattr(op, "name", op)).rsplit(".", 1)[-1]
 
 
 class _OpCounts:

@@ -173,13 +173,9 @@ def _op(reduce_op: Any) -> str:
     """torch ReduceOp → our op name."""
     op = getattr(reduce_op, "op", reduce_op)
     name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
-    names = {"sum": "sum", "avg": "avg", "min": "min", "max": "max", "product": "prod"}
-    if name not in names:
-        raise ValueError(
-            f"the mcp backend does not support ReduceOp.{name.upper()}; "
-            "use SUM, AVG, MIN, MAX or PRODUCT"
-        )
-    return names[name]
+    # The core knows torch's names, and refuses the ones it cannot reduce (PREMUL_SUM) with
+    # a ValueError naming them.
+    return name
 
 
 def _is_local(ip: str) -> bool:

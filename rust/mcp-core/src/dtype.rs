@@ -167,6 +167,12 @@ pub enum ReduceOp {
     Max = 4,
     /// Element-wise product (wrapping for integers).
     Prod = 5,
+    /// Bitwise and (integers; logical and for bool).
+    BAnd = 6,
+    /// Bitwise or (integers; logical or for bool).
+    BOr = 7,
+    /// Bitwise exclusive or (integers; logical xor for bool).
+    BXor = 8,
 }
 
 impl ReduceOp {
@@ -179,6 +185,9 @@ impl ReduceOp {
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
             ReduceOp::Prod => "prod",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
         }
     }
 
@@ -190,8 +199,11 @@ impl ReduceOp {
             "min" => Ok(ReduceOp::Min),
             "max" => Ok(ReduceOp::Max),
             "prod" | "product" => Ok(ReduceOp::Prod),
+            "band" => Ok(ReduceOp::BAnd),
+            "bor" => Ok(ReduceOp::BOr),
+            "bxor" => Ok(ReduceOp::BXor),
             _ => Err(Error::InvalidArgument(format!(
-                "unsupported reduce op {name:?}; supported: sum, avg, min, max, prod"
+                "unsupported op {name:?}; supported: sum, avg, min, max, prod, band, bor, bxor"
             ))),
         }
     }
@@ -205,16 +217,30 @@ impl ReduceOp {
             ReduceOp::Min,
             ReduceOp::Max,
             ReduceOp::Prod,
+            ReduceOp::BAnd,
+            ReduceOp::BOr,
+            ReduceOp::BXor,
         ]
         .into_iter()
         .find(|o| *o as u8 == code)
     }
 
-    /// Checks that this op can reduce `dtype`: every op the real numbers, integers and bool
-    /// (where Gloo reduces them too); complex sum and avg; no 8-bit float (cast up first).
+    /// Whether this is a bitwise op (integers and bool only).
+    pub fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
+    }
+
+    /// Checks that this op can reduce `dtype`: sum, min, max and prod the real numbers,
+    /// integers and bool, avg the floats, the bitwise ops the integers and bool (as Gloo
+    /// reduces them); complex sum and avg; no 8-bit float (cast up first).
     pub fn check(self, dtype: DType) -> Result<()> {
         if self == ReduceOp::None {
             return Ok(());
+        }
+        if self.is_bitwise() && (dtype.is_float() || dtype.is_complex()) {
+            return Err(Error::InvalidArgument(format!(
+                "op '{self}' is bitwise: it needs an integer or bool dtype, got {dtype}"
+            )));
         }
         if matches!(
             dtype,

@@ -156,12 +156,15 @@ async fn all_reduce_case(
     }
 }
 
-const OPS: [ReduceOp; 5] = [
+const OPS: [ReduceOp; 8] = [
     ReduceOp::Sum,
     ReduceOp::Avg,
     ReduceOp::Min,
     ReduceOp::Max,
     ReduceOp::Prod,
+    ReduceOp::BAnd,
+    ReduceOp::BOr,
+    ReduceOp::BXor,
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

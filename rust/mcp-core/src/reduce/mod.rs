@@ -187,6 +187,120 @@ mod tests {
     }
 
     #[test]
+    fn bitwise_ops_reduce_every_integer_type_bit_by_bit() {
+        fn case<T: Pod + PartialEq + std::fmt::Debug>(
+            dtype: DType,
+            a: &[T],
+            b: &[T],
+            want: [Vec<T>; 3],
+        ) {
+            for (op, want) in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor]
+                .into_iter()
+                .zip(want)
+            {
+                let mut d = bytes(a);
+                reduce_into(dtype, op, &mut d, &bytes(b)).expect("bitwise");
+                assert_eq!(d, bytes(&want), "{dtype} {op}");
+            }
+        }
+        let (a, b) = ([0b1100u8, 0xff, 0], [0b1010u8, 0x0f, 0]);
+        case(
+            DType::U8,
+            &a,
+            &b,
+            [
+                vec![0b1000, 0x0f, 0],
+                vec![0b1110, 0xff, 0],
+                vec![0b0110, 0xf0, 0],
+            ],
+        );
+        case(
+            DType::I8,
+            &[-1i8, 12],
+            &[5i8, -16],
+            [vec![5, 0], vec![-1, -4], vec![-6, -4]],
+        );
+        case(
+            DType::I16,
+            &[-256i16],
+            &[0x7f0fi16],
+            [vec![0x7f00], vec![-241], vec![-32753]],
+        );
+        case(
+            DType::U16,
+            &[0xf0f0u16],
+            &[0xff00u16],
+            [vec![0xf000], vec![0xfff0], vec![0x0ff0]],
+        );
+        let (x, y) = (0xdead_beefu32, 0x0f0f_f0f0u32);
+        case(
+            DType::U32,
+            &[x],
+            &[y],
+            [vec![x & y], vec![x | y], vec![x ^ y]],
+        );
+        case(
+            DType::I32,
+            &[x as i32],
+            &[y as i32],
+            [
+                vec![(x & y) as i32],
+                vec![(x | y) as i32],
+                vec![(x ^ y) as i32],
+            ],
+        );
+        let (x, y) = (u64::MAX - 5, 1u64 << 40 | 6);
+        case(
+            DType::U64,
+            &[x],
+            &[y],
+            [vec![x & y], vec![x | y], vec![x ^ y]],
+        );
+        case(
+            DType::I64,
+            &[x as i64],
+            &[y as i64],
+            [
+                vec![(x & y) as i64],
+                vec![(x | y) as i64],
+                vec![(x ^ y) as i64],
+            ],
+        );
+        // Bools as torch's Gloo takes them: logical and, or, xor, results 0 or 1.
+        case(
+            DType::Bool,
+            &[0u8, 0, 1, 1],
+            &[0u8, 1, 0, 2],
+            [vec![0, 0, 0, 1], vec![0, 1, 1, 1], vec![0, 1, 1, 0]],
+        );
+    }
+
+    #[test]
+    fn bitwise_ops_refuse_floating_and_complex_types() {
+        for dtype in [
+            DType::F32,
+            DType::F64,
+            DType::F16,
+            DType::BF16,
+            DType::C64,
+            DType::C128,
+        ] {
+            for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+                let n = dtype.size();
+                match reduce_into(dtype, op, &mut vec![0u8; n], &vec![0u8; n]) {
+                    Err(Error::InvalidArgument(m)) => assert!(m.contains("bitwise"), "{m}"),
+                    other => panic!("{dtype} {op}: {other:?}"),
+                }
+            }
+        }
+        assert_eq!(ReduceOp::from_name("BXOR").expect("name"), ReduceOp::BXor);
+        for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+            assert_eq!(ReduceOp::from_code(op as u8), Some(op));
+            assert_eq!(ReduceOp::from_name(op.name()).expect("name"), op);
+        }
+    }
+
+    #[test]
     fn complex_sums_and_averages_part_by_part_and_nothing_else() {
         let mut d = bytes(&[1.0f32, -2.0, 0.5, 4.0]);
         reduce_into(

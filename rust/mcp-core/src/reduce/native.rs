@@ -2,12 +2,15 @@
 
 use crate::dtype::ReduceOp;
 
-/// An element type with the four reduction operators.
+/// An element type with the reduction operators.
 pub(crate) trait Elem: Copy + bytemuck::Pod {
     fn add(a: Self, b: Self) -> Self;
     fn mul(a: Self, b: Self) -> Self;
     fn min(a: Self, b: Self) -> Self;
     fn max(a: Self, b: Self) -> Self;
+    fn and(a: Self, b: Self) -> Self;
+    fn or(a: Self, b: Self) -> Self;
+    fn xor(a: Self, b: Self) -> Self;
 }
 
 macro_rules! float_elem {
@@ -42,6 +45,20 @@ macro_rules! float_elem {
                     a
                 }
             }
+            // `ReduceOp::check` refuses the bitwise ops on floats; on the bits, should
+            // anything call them, they are still well defined.
+            #[inline(always)]
+            fn and(a: Self, b: Self) -> Self {
+                Self::from_bits(a.to_bits() & b.to_bits())
+            }
+            #[inline(always)]
+            fn or(a: Self, b: Self) -> Self {
+                Self::from_bits(a.to_bits() | b.to_bits())
+            }
+            #[inline(always)]
+            fn xor(a: Self, b: Self) -> Self {
+                Self::from_bits(a.to_bits() ^ b.to_bits())
+            }
         }
     };
 }
@@ -65,6 +82,18 @@ macro_rules! int_elem {
             fn max(a: Self, b: Self) -> Self {
                 Ord::max(a, b)
             }
+            #[inline(always)]
+            fn and(a: Self, b: Self) -> Self {
+                a & b
+            }
+            #[inline(always)]
+            fn or(a: Self, b: Self) -> Self {
+                a | b
+            }
+            #[inline(always)]
+            fn xor(a: Self, b: Self) -> Self {
+                a ^ b
+            }
         }
     };
 }
@@ -80,17 +109,18 @@ int_elem!(u16);
 int_elem!(u32);
 int_elem!(u64);
 
-/// Booleans as bytes (any non-zero is true, results are 0 or 1): sum and max are "or", prod
-/// and min are "and", as torch's Gloo backend reduces them.
+/// Booleans as bytes (any non-zero is true, results are 0 or 1): sum, max and bor are "or",
+/// prod, min and band are "and", bxor is "xor", as torch's Gloo backend reduces them.
 pub(crate) fn apply_bool(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     let pairs = dst.iter_mut().zip(src);
     match op {
-        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max => {
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max | ReduceOp::BOr => {
             pairs.for_each(|(d, s)| *d = u8::from(*d != 0 || *s != 0))
         }
-        ReduceOp::Prod | ReduceOp::Min => {
+        ReduceOp::Prod | ReduceOp::Min | ReduceOp::BAnd => {
             pairs.for_each(|(d, s)| *d = u8::from(*d != 0 && *s != 0))
         }
+        ReduceOp::BXor => pairs.for_each(|(d, s)| *d = u8::from((*d != 0) != (*s != 0))),
         ReduceOp::None => pairs.for_each(|(d, s)| *d = *s),
     }
 }
@@ -104,6 +134,9 @@ fn apply_portable<T: Elem>(op: ReduceOp, dst: &mut [T], src: &[T]) {
         ReduceOp::Prod => pairs.for_each(|(d, s)| *d = T::mul(*d, *s)),
         ReduceOp::Min => pairs.for_each(|(d, s)| *d = T::min(*d, *s)),
         ReduceOp::Max => pairs.for_each(|(d, s)| *d = T::max(*d, *s)),
+        ReduceOp::BAnd => pairs.for_each(|(d, s)| *d = T::and(*d, *s)),
+        ReduceOp::BOr => pairs.for_each(|(d, s)| *d = T::or(*d, *s)),
+        ReduceOp::BXor => pairs.for_each(|(d, s)| *d = T::xor(*d, *s)),
         ReduceOp::None => pairs.for_each(|(d, s)| *d = *s),
     }
 }
