@@ -1194,7 +1194,7 @@ impl QuicTransport {
         }
         // Each peer closes the connection once it has read every frame we announced.
         for (_, c) in &conns {
-            tokio::spawn(ask_for_close(c.clone()));
+            tokio::spawn(ask_for_close(c.clone(), stall));
             let c2 = c.clone();
             wait_while_alive(
                 move || c2.close_reason().is_none(),
@@ -1557,9 +1557,12 @@ async fn wait_while_alive(
 /// Asks the peer to repeat its close until it arrives: a close lost on the path (a flooded
 /// receive buffer, a lossy link) is sent again by QUIC only in answer to a packet, and the
 /// leaving side is otherwise silent. An empty datagram, which the FEC lane ignores, every
-/// 100 ms.
-async fn ask_for_close(conn: Connection) {
-    while conn.close_reason().is_none() {
+/// 100 ms, for at most `stall`: the probes (and the peer's ACKs of them) make each side
+/// look alive to the other, so a peer that has not closed by then is left to the usual
+/// silence limit rather than kept waiting up to the cap.
+async fn ask_for_close(conn: Connection, stall: Duration) {
+    let until = Instant::now() + stall;
+    while conn.close_reason().is_none() && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
         if conn.send_datagram(bytes::Bytes::new()).is_err() {
             return;
