@@ -26,8 +26,8 @@ pub const PROTOCOL_MAJOR: u8 = 1;
 /// as the design advises, since a minor version may frame data differently). 1: stream-lane
 /// frames with the receiver's verdict, and progress reports. 2: the rendezvous table carries
 /// each rank's host identity, pid and shared-memory flag. 3: and its declared model
-/// ([`model_decl`](crate::model_decl)).
-pub const PROTOCOL_MINOR: u8 = 3;
+/// ([`model_decl`](crate::model_decl)). 4: the bitwise reduce ops (codes 6-8).
+pub const PROTOCOL_MINOR: u8 = 4;
 
 /// What a frame is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
