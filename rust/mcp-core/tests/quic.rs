@@ -558,21 +558,9 @@ async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_send_under_way_when_the_peer_says_goodbye_finishes() {
     use mcp_core::transport::quic::LanePolicy;
-    use mcp_core::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
+    use mcp_core::wire::{FrameKind, Header};
     let ts = mesh_with(2, |c| c.bulk.policy = LanePolicy::Fec).await;
-    let header = |seq: u64, payload: &[u8]| Header {
-        kind: FrameKind::Send,
-        minor: PROTOCOL_MINOR,
-        seq,
-        step: 0,
-        chunk: 0,
-        chunk_count: 1,
-        src: 0,
-        aux: 0,
-        spec: ModelSpec::flat(DType::U8, ReduceOp::None, payload.len()),
-        payload_len: payload.len() as u64,
-        payload_crc: crc32c::crc32c(payload),
-    };
+    let header = |seq: u64, payload: &[u8]| Header::bytes(FrameKind::Send, 0, seq, 0, payload);
     let payload: Vec<u8> = (0..32usize << 20).map(|j| (j * 31) as u8).collect();
     let packets = || ts[0].path_stats(1).map_or(0, |p| p.sent_packets);
     // Catch a send under way: 256 of its thousands of datagrams handed to the socket. A
