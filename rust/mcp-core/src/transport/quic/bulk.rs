@@ -307,15 +307,24 @@ impl QuicTransport {
         payload: &[u8],
     ) -> std::result::Result<(), WriteFail> {
         let bulk = self.cfg.bulk;
-        let max_dg = conn
-            .max_datagram_size()
-            .ok_or_else(|| WriteFail::Core(Error::Io("the peer takes no datagrams".into())))?;
         // Shards that still fit once the path's MTU falls to its floor: quinn drops queued
         // datagrams above a new limit, and its black-hole detector lowers the MTU under
         // random loss, which is when this lane runs.
         let floor = self.sock.floor_mtu(&self.cfg);
-        let above_floor = conn.stats().path.current_mtu.saturating_sub(floor);
-        let max_dg = max_dg.saturating_sub(usize::from(above_floor));
+        let max_dg = match datagram_room_at_floor(floor, || {
+            let mtu = conn.stats().path.current_mtu;
+            let max = conn.max_datagram_size();
+            (mtu, max, conn.stats().path.current_mtu)
+        }) {
+            Room::Fits(n) => n,
+            Room::NoDatagrams => {
+                return Err(WriteFail::Core(Error::Io(
+                    "the peer takes no datagrams".into(),
+                )))
+            }
+            // Discovery keeps moving the MTU: the stream lane carries this frame.
+            Room::Unsettled => return Err(WriteFail::TooLarge),
+        };
         let (k, dg) = block_shape(payload.len(), max_dg, bulk).map_err(WriteFail::Core)?;
         let tid = self.next_transfer.fetch_add(1, Ordering::Relaxed);
         let plan = TransferPlan::new(tid, payload.len() as u64, k, dg).map_err(WriteFail::Core)?;
@@ -373,6 +382,35 @@ impl QuicTransport {
         });
         Ok(())
     }
+}
+
+/// What [`datagram_room_at_floor`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Room {
+    /// Datagrams of this many bytes fit at the floor MTU.
+    Fits(usize),
+    /// The connection takes no datagrams.
+    NoDatagrams,
+    /// The MTU changed between the reads every time.
+    Unsettled,
+}
+
+/// The largest datagram that still fits once the path's MTU falls to `floor`: quinn's
+/// `max_datagram_size` less what the current MTU is above the floor. `read` gives the MTU,
+/// `max_datagram_size` and the MTU again; MTU discovery may raise the MTU between two reads,
+/// and a difference taken across a change says nothing (a rise from 9,000 to 20,000 bytes
+/// would leave no room at all), so reads that straddle a change are taken again.
+fn datagram_room_at_floor(floor: u16, mut read: impl FnMut() -> (u16, Option<usize>, u16)) -> Room {
+    for _ in 0..8 {
+        let (before, max, after) = read();
+        let Some(max) = max else {
+            return Room::NoDatagrams;
+        };
+        if before == after {
+            return Room::Fits(max.saturating_sub(usize::from(before.saturating_sub(floor))));
+        }
+    }
+    Room::Unsettled
 }
 
 /// The block shape for a payload of `len` bytes over datagrams of at most `max_dg` bytes:
@@ -930,6 +968,29 @@ async fn run_transfer(
 mod tests {
     use super::*;
     use crate::fec::shard::HEADER_LEN;
+
+    #[test]
+    fn datagram_room_is_read_from_one_mtu() {
+        // Steady: quinn's limit less what the MTU is above the floor.
+        assert_eq!(
+            datagram_room_at_floor(1200, || (9000, Some(8950), 9000)),
+            Room::Fits(8950 - 7800)
+        );
+        // Discovery raised the MTU from 9,000 to 20,000 between the reads, then held it.
+        let mut reads = [(9000, Some(8950), 20_000), (20_000, Some(19_950), 20_000)].into_iter();
+        let room = datagram_room_at_floor(1200, || reads.next().expect("a third read"));
+        assert_eq!(room, Room::Fits(19_950 - 18_800));
+        assert_eq!(
+            datagram_room_at_floor(1200, || (1500, None, 1500)),
+            Room::NoDatagrams
+        );
+        let mut mtu = 1200u16;
+        let room = datagram_room_at_floor(1200, || {
+            mtu += 100;
+            (mtu - 100, Some(usize::from(mtu) - 50), mtu)
+        });
+        assert_eq!(room, Room::Unsettled);
+    }
 
     #[test]
     fn blocks_split_the_payload_evenly() {
