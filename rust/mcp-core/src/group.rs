@@ -326,9 +326,15 @@ impl<T: Transport> Group<T> {
             let mb = inner.t.mailbox();
             if let Some(remote) = mb.take_remote_abort(space, seq) {
                 // A lost peer here may be one that reported the root cause and left: a send
-                // to it fails before this rank reads its abort. Report the cause.
-                let echo = matches!(res, Err(Error::PeerLost { .. }))
-                    && !matches!(remote, Error::PeerLost { .. });
+                // to it fails naming it. Report the cause: whatever a peer reported when ours
+                // is a loss, and even another loss when ours is a peer that said goodbye (it
+                // left because of the failure it reported).
+                let echo = match &res {
+                    Err(Error::PeerLost { rank, .. }) => {
+                        !matches!(remote, Error::PeerLost { .. }) || mb.has_left(*rank)
+                    }
+                    _ => false,
+                };
                 if res.is_ok() || echo {
                     res = Err(remote);
                 }

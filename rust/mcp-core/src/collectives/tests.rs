@@ -12,6 +12,7 @@ use crate::transport::mem::{network, MemChaos, MemTransport};
 use crate::transport::Transport;
 use crate::wire::Codec;
 use half::{bf16, f16};
+use std::borrow::Borrow;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -661,8 +662,34 @@ async fn a_killed_rank_is_a_lost_peer_for_every_survivor() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_reported_a_loss_and_left_is_not_blamed_for_it() {
+    // Rank 1 dies; rank 0 fails the all-reduce naming it, tells rank 2 and closes its group.
+    // Rank 2 comes to the all-reduce only then: its first send, to rank 0, fails because
+    // rank 0 has left, but what it reports is the cause rank 0 told it of.
+    let ts = network(3, None);
+    ts[1].kill();
+    let g0 = Arc::new(Group::new(ts[0].clone(), cfg()));
+    let first = ring_sum_f32(g0.clone(), 0, 5000).await;
+    assert!(
+        matches!(first, Err(Error::PeerLost { rank: 1, .. })),
+        "rank 0: {first:?}"
+    );
+    g0.close().await;
+    ts[0].leave();
+    let g2 = Arc::new(Group::new(ts[2].clone(), cfg()));
+    match ring_sum_f32(g2, 2, 5000).await {
+        Err(Error::PeerLost { rank: 1, .. }) => {}
+        other => panic!("rank 2: expected PeerLost naming rank 1, got {other:?}"),
+    }
+}
+
 /// Sum-all-reduces rank `r`'s `n`-element float32 input with the ring algorithm.
-async fn ring_sum_f32(g: Group<MemTransport>, r: usize, n: usize) -> Result<Vec<u8>, Error> {
+async fn ring_sum_f32(
+    g: impl Borrow<Group<MemTransport>>,
+    r: usize,
+    n: usize,
+) -> Result<Vec<u8>, Error> {
     let shape = vec![n as u64];
     let mut buf = input(DType::F32, ReduceOp::Sum, r, n, 0);
     // SAFETY: `buf` outlives the awaited operation.
@@ -672,7 +699,9 @@ async fn ring_sum_f32(g: Group<MemTransport>, r: usize, n: usize) -> Result<Vec<
         shape: &shape,
         codec: Codec::None,
     };
-    g.all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?.await?;
+    g.borrow()
+        .all_reduce(t, ReduceOp::Sum, Algorithm::Ring)?
+        .await?;
     Ok(buf)
 }
 

@@ -94,6 +94,8 @@ enum Slot {
 struct Inner {
     slots: HashMap<MsgKey, Slot>,
     lost_peers: HashMap<usize, Error>,
+    /// The lost peers that said goodbye (closed their group) rather than died or fell silent.
+    left: HashSet<usize>,
     aborted: HashMap<(SeqSpace, u64), Error>,
     aborted_order: VecDeque<(SeqSpace, u64)>,
     remote_aborts: VecDeque<(SeqSpace, u64, Error)>,
@@ -233,14 +235,7 @@ impl Mailbox {
                     }
                 }
             }
-            FrameKind::Goodbye => self.peer_left(
-                src,
-                Error::PeerLost {
-                    rank: src,
-                    op: "any operation".into(),
-                    reason: "it closed its group".into(),
-                },
-            ),
+            FrameKind::Goodbye => self.said_goodbye(src),
             _ => return self.deliver(MsgKey::of(&frame.header), Ok(frame)),
         }
         true
@@ -293,9 +288,27 @@ impl Mailbox {
         self.fail(peer, err, false);
     }
 
+    /// `peer` said goodbye: [`Mailbox::peer_left`] with the error that says so.
+    pub fn said_goodbye(&self, peer: usize) {
+        self.peer_left(
+            peer,
+            Error::PeerLost {
+                rank: peer,
+                op: "any operation".into(),
+                reason: "it closed its group".into(),
+            },
+        );
+    }
+
     fn fail(&self, peer: usize, err: Error, revoke: bool) {
-        let mut inner = self.lock();
-        inner.lost_peers.entry(peer).or_insert_with(|| err.clone());
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        if let std::collections::hash_map::Entry::Vacant(e) = inner.lost_peers.entry(peer) {
+            e.insert(err.clone());
+            if !revoke {
+                inner.left.insert(peer);
+            }
+        }
         if revoke && inner.revoked.is_none() {
             inner.revoked = Some(err.clone());
         }
@@ -399,9 +412,10 @@ impl Mailbox {
         })
     }
 
-    /// True when operation `seq` in `space` was aborted (by us or by a peer).
-    pub fn is_aborted(&self, space: SeqSpace, seq: u64) -> bool {
-        self.lock().aborted.contains_key(&(space, seq))
+    /// True when `peer` closed its group (said goodbye) before anything else failed it: it
+    /// left on purpose, and a failure that names it may be an echo of what made it leave.
+    pub fn has_left(&self, peer: usize) -> bool {
+        self.lock().left.contains(&peer)
     }
 
     /// Drops whatever is still filed for operation `seq` (after it finished or failed).

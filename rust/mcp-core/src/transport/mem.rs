@@ -163,6 +163,18 @@ impl MemTransport {
         self.mailbox
             .close(Error::Closed("this rank was killed".into()));
     }
+
+    /// Simulates this rank closing its group: every peer takes it as the goodbye it is (its
+    /// waits on this rank fail; frames this rank sent stay filed).
+    pub fn leave(&self) {
+        for (r, mb) in self.net.mailboxes.iter().enumerate() {
+            if r != self.rank {
+                mb.said_goodbye(self.rank);
+            }
+        }
+        self.mailbox
+            .close(Error::Closed("this rank closed its group".into()));
+    }
 }
 
 impl Transport for MemTransport {
@@ -206,6 +218,15 @@ impl Transport for MemTransport {
                 self.world_size()
             ))
         })?;
+        // As over QUIC and shared memory: a send to a peer known to be gone fails naming it
+        // (a stalled peer is alive and still takes frames).
+        if let Some(e) = self
+            .mailbox
+            .peer_error(peer)
+            .filter(|e| !matches!(e, Error::PeerStalled { .. }))
+        {
+            return Err(e);
+        }
         if header.kind != FrameKind::Abort {
             self.net.sent[self.rank * self.world_size() + peer]
                 .fetch_add(payload.len() as u64, Ordering::Relaxed);

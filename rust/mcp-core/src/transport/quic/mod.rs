@@ -1592,14 +1592,7 @@ async fn farewell(
         cap,
     )
     .await;
-    t.mailbox.peer_left(
-        src,
-        Error::PeerLost {
-            rank: src,
-            op: "any operation".into(),
-            reason: "it closed its group".into(),
-        },
-    );
+    t.mailbox.said_goodbye(src);
     // Sends that began before the goodbye finish first (see `PeerSlot::sending`); new ones
     // fail now that the peer has left.
     if let Some(slot) = t.peers.get(src) {
