@@ -170,7 +170,8 @@ def test_frozen_peer_is_reported_by_every_survivor() -> None:
         f = res[r]
         assert isinstance(f, Failure) and f.type == "PeerLostError", f
         assert f.attrs.get("rank") == 2 and "no packets" in f.message, f
-        assert 0 < f.attrs["detected_after"] < 3 * 0.5 + 0.25, f.attrs
+        # The same detector as for a killed peer, and the same bound (see above).
+        assert 0 < f.attrs["detected_after"] < 4.0, f.attrs
     assert time.monotonic() - t0 < 25
 
 
