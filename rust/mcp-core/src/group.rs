@@ -759,11 +759,8 @@ async fn send_aborts<T: Transport>(
     let header = Header::bytes(FrameKind::Abort, t.rank(), seq, 0, &payload);
     let (header, payload) = (Arc::new(header), Arc::new(payload));
     let mut tasks = Vec::new();
-    // Not to a lost peer; a stalled one is alive and hears of what it caused.
-    let reachable = |p: usize| match t.mailbox().peer_error(p) {
-        None | Some(Error::PeerStalled { .. }) => true,
-        Some(_) => false,
-    };
+    // Not to a peer that is gone; a stalled one is alive and hears of what it caused.
+    let reachable = |p: usize| t.mailbox().gone_error(p).is_none();
     for p in peers.into_iter().filter(|&p| reachable(p)) {
         let (t, header, payload) = (t.clone(), header.clone(), payload.clone());
         tasks.push(tokio::spawn(async move {

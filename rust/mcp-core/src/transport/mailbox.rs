@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::wire::{FrameKind, Header};
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use tokio::sync::oneshot;
@@ -303,7 +304,7 @@ impl Mailbox {
     fn fail(&self, peer: usize, err: Error, revoke: bool) {
         let mut guard = self.lock();
         let inner = &mut *guard;
-        if let std::collections::hash_map::Entry::Vacant(e) = inner.lost_peers.entry(peer) {
+        if let Entry::Vacant(e) = inner.lost_peers.entry(peer) {
             e.insert(err.clone());
             if !revoke {
                 inner.left.insert(peer);
@@ -332,6 +333,14 @@ impl Mailbox {
     /// The error a lost peer was failed with, if it was.
     pub fn peer_error(&self, peer: usize) -> Option<Error> {
         self.lock().lost_peers.get(&peer).cloned()
+    }
+
+    /// The error `peer` was failed with if it is gone (lost or left), for sends and dials to
+    /// give up on it. A stalled peer is not gone: it is alive, connected, and still hears of
+    /// the aborts it caused.
+    pub fn gone_error(&self, peer: usize) -> Option<Error> {
+        self.peer_error(peer)
+            .filter(|e| !matches!(e, Error::PeerStalled { .. }))
     }
 
     /// Fails every current and future wait of operation `seq` in `space` with `err`, and drops

@@ -220,11 +220,7 @@ impl Transport for MemTransport {
         })?;
         // As over QUIC and shared memory: a send to a peer known to be gone fails naming it
         // (a stalled peer is alive and still takes frames).
-        if let Some(e) = self
-            .mailbox
-            .peer_error(peer)
-            .filter(|e| !matches!(e, Error::PeerStalled { .. }))
-        {
+        if let Some(e) = self.mailbox.gone_error(peer) {
             return Err(e);
         }
         if header.kind != FrameKind::Abort {

@@ -117,11 +117,7 @@ impl QuicTransport {
         header: &Header,
         payload: &[u8],
     ) -> Result<()> {
-        let lost = || {
-            self.mailbox
-                .peer_error(peer)
-                .filter(|e| !matches!(e, Error::PeerStalled { .. }))
-        };
+        let lost = || self.mailbox.gone_error(peer);
         if let Some(e) = lost() {
             return Err(e);
         }

@@ -754,11 +754,8 @@ impl QuicTransport {
     /// The live connection to `peer`: dialled by the higher rank, awaited by the lower one.
     async fn conn(&self, peer: usize) -> Result<Connection> {
         let slot = self.slot(peer)?;
-        // A stalled peer is alive and connected: it still hears of the aborts it caused.
-        if let Some(e) = self.mailbox.peer_error(peer) {
-            if !matches!(e, Error::PeerStalled { .. }) {
-                return Err(e);
-            }
+        if let Some(e) = self.mailbox.gone_error(peer) {
+            return Err(e);
         }
         if let Some(c) = slot.conn.borrow().clone() {
             return Ok(c);
@@ -864,10 +861,8 @@ impl QuicTransport {
     ) -> Result<Connection> {
         let mut backoff = Backoff::default();
         loop {
-            if let Some(e) = self.mailbox.peer_error(peer) {
-                if !matches!(e, Error::PeerStalled { .. }) {
-                    return Err(e);
-                }
+            if let Some(e) = self.mailbox.gone_error(peer) {
+                return Err(e);
             }
             if breaker {
                 let mut b = self.breakers.lock().unwrap_or_else(|p| p.into_inner());
