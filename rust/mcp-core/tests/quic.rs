@@ -445,6 +445,29 @@ async fn stream_lane_sends_no_shards() {
     }
 }
 
+/// Waits until `tx` is connected to `rx` again after its last reset, by a frame that goes
+/// across: what arrived before it may have been delivered before the reset closed the
+/// connection, and the reconnection it caused is counted only when `tx` notices the end.
+async fn after_the_last_reset(tx: &QuicTransport, rx: &QuicTransport, seq: u64) {
+    use mcp_core::transport::{MsgKey, SeqSpace};
+    use mcp_core::wire::{FrameKind, Header};
+    let last = vec![0xA5u8; 64];
+    let header = Header::bytes(FrameKind::Send, 1, seq, 0, &last);
+    tx.send_frame(0, &header, &last).await.expect("send");
+    let key = MsgKey {
+        src: 1,
+        space: SeqSpace::P2p,
+        seq,
+        step: 0,
+        chunk: 0,
+    };
+    let got = tokio::time::timeout(Duration::from_secs(60), rx.mailbox().recv(key))
+        .await
+        .expect("the frame after the last reset never came")
+        .expect("the frame after the last reset failed");
+    assert!(got.payload.to_vec() == last);
+}
+
 /// A reset right after an FEC-lane frame was handed to QUIC cuts the transfer off before the
 /// receiver rebuilt it, often before it even saw the announcement. The connection comes
 /// back and every frame arrives, exact and once: the sender sends what lacked a DONE again,
@@ -491,6 +514,7 @@ async fn aborts_cut_off_by_a_reset_arrive_after_the_reconnection() {
             "round {seq}: {got}"
         );
     }
+    after_the_last_reset(&tx, &rx, ROUNDS).await;
     assert!(
         tx.stats()
             .reconnects
@@ -542,6 +566,7 @@ async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
             .unwrap_or_else(|e| panic!("frame {seq} failed: {e}"));
         assert!(got.payload.to_vec() == payload, "frame {seq} differs");
     }
+    after_the_last_reset(&tx, &rx, ROUNDS).await;
     assert!(tx.stats().reconnects.load(Relaxed) >= ROUNDS);
     assert!(tx.stats().bulk_frames_sent.load(Relaxed) >= ROUNDS);
     // The reset comes before the receiver's DONE can: the transfers went again.

@@ -85,9 +85,12 @@ async fn reconnect_now(
     let Some(slot) = t.peers.get(peer) else {
         return;
     };
+    // Counted under the slot's lock: whoever sees the slot emptied (or the connection that
+    // replaces it) sees the count.
     let cleared = slot.conn.send_if_modified(|c| {
         if c.as_ref().map(Connection::stable_id) == Some(broken.stable_id()) {
             *c = None;
+            t.stats.reconnects.fetch_add(1, Ordering::Relaxed);
             true
         } else {
             false
@@ -96,7 +99,6 @@ async fn reconnect_now(
     if !cleared {
         return;
     }
-    t.stats.reconnects.fetch_add(1, Ordering::Relaxed);
     let budget = budget(t.cfg.heartbeat);
     let started = Instant::now();
     let deadline = started + budget;
