@@ -445,27 +445,34 @@ async fn stream_lane_sends_no_shards() {
     }
 }
 
-/// Waits until `tx` is connected to `rx` again after its last reset, by a frame that goes
-/// across: what arrived before it may have been delivered before the reset closed the
-/// connection, and the reconnection it caused is counted only when `tx` notices the end.
-async fn after_the_last_reset(tx: &QuicTransport, rx: &QuicTransport, seq: u64) {
+/// The payload of point-to-point frame `seq` from rank `src`, as `rx` filed it; panics
+/// naming the frame if it does not come within 60 s or fails.
+async fn recv_p2p(rx: &QuicTransport, src: usize, seq: u64) -> Vec<u8> {
     use mcp_core::transport::{MsgKey, SeqSpace};
-    use mcp_core::wire::{FrameKind, Header};
-    let last = vec![0xA5u8; 64];
-    let header = Header::bytes(FrameKind::Send, 1, seq, 0, &last);
-    tx.send_frame(0, &header, &last).await.expect("send");
     let key = MsgKey {
-        src: 1,
+        src,
         space: SeqSpace::P2p,
         seq,
         step: 0,
         chunk: 0,
     };
-    let got = tokio::time::timeout(Duration::from_secs(60), rx.mailbox().recv(key))
+    tokio::time::timeout(Duration::from_secs(60), rx.mailbox().recv(key))
         .await
-        .expect("the frame after the last reset never came")
-        .expect("the frame after the last reset failed");
-    assert!(got.payload.to_vec() == last);
+        .unwrap_or_else(|_| panic!("frame {seq} from rank {src} never came"))
+        .unwrap_or_else(|e| panic!("frame {seq} from rank {src} failed: {e}"))
+        .payload
+        .to_vec()
+}
+
+/// Waits until `tx` is connected to `rx` again after its last reset, by a frame that goes
+/// across: what arrived before it may have been delivered before the reset closed the
+/// connection, and the reconnection it caused is counted only when `tx` notices the end.
+async fn after_the_last_reset(tx: &QuicTransport, rx: &QuicTransport, seq: u64) {
+    use mcp_core::wire::{FrameKind, Header};
+    let last = vec![0xA5u8; 64];
+    let header = Header::bytes(FrameKind::Send, 1, seq, 0, &last);
+    tx.send_frame(0, &header, &last).await.expect("send");
+    assert!(recv_p2p(rx, 1, seq).await == last);
 }
 
 /// A reset right after an FEC-lane frame was handed to QUIC cuts the transfer off before the
@@ -529,7 +536,6 @@ async fn aborts_cut_off_by_a_reset_arrive_after_the_reconnection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
     use mcp_core::transport::quic::LanePolicy;
-    use mcp_core::transport::{MsgKey, SeqSpace};
     use mcp_core::wire::{FrameKind, Header, ModelSpec, PROTOCOL_MINOR};
     use std::sync::atomic::Ordering::Relaxed;
     const ROUNDS: u64 = 8;
@@ -553,18 +559,10 @@ async fn fec_frames_cut_off_by_a_reset_arrive_after_the_reconnection() {
         };
         tx.send_frame(0, &header, &payload).await.expect("send");
         tx.chaos_reset();
-        let key = MsgKey {
-            src: 1,
-            space: SeqSpace::P2p,
-            seq,
-            step: 0,
-            chunk: 0,
-        };
-        let got = tokio::time::timeout(Duration::from_secs(60), rx.mailbox().recv(key))
-            .await
-            .unwrap_or_else(|_| panic!("frame {seq} never came"))
-            .unwrap_or_else(|e| panic!("frame {seq} failed: {e}"));
-        assert!(got.payload.to_vec() == payload, "frame {seq} differs");
+        assert!(
+            recv_p2p(&rx, 1, seq).await == payload,
+            "frame {seq} differs"
+        );
     }
     after_the_last_reset(&tx, &rx, ROUNDS).await;
     assert!(tx.stats().reconnects.load(Relaxed) >= ROUNDS);
