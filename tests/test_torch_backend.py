@@ -503,3 +503,48 @@ def test_torchrun_without_importing_mcp_fast(world: int, tmp_path) -> None:
     assert all(r["backend"] == "mcp" and r["world"] == world for r in results)
     for r in results[1:]:
         torch.testing.assert_close(r["params"], results[0]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_all_reduce_matches_gloo_bit_exactly(world: int) -> None:
+    mcp = ok(run("torch_workers.sparse_all_reduce", world, "mcp", timeout=120))
+    gloo = ok(run("torch_workers.sparse_all_reduce", world, "gloo", timeout=120))
+    for rank in range(world):
+        assert mcp[rank].keys() == gloo[rank].keys()
+        for name, got in mcp[rank].items():
+            if name == "async":
+                torch.testing.assert_close(as_torch(got), torch.tensor([float(world), 0, 0, 0]))
+                continue
+            want = gloo[rank][name]
+            assert bool(got["coalesced"]), name
+            for key in ("indices", "values", "dense"):
+                torch.testing.assert_close(
+                    as_torch(got[key]), as_torch(want[key]), rtol=0, atol=0, msg=f"{name} {key}"
+                )
+    # Against a reference, so that both backends cannot agree on a wrong sum.
+    import torch_workers
+
+    cases = [torch_workers._sparse_cases(r) for r in range(world)]
+    for name in cases[0]:
+        want = sum(c[name].to_dense() for c in cases)
+        torch.testing.assert_close(as_torch(mcp[0][name]["dense"]), want, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"), [("max", "supports only SUM"), ("shapes", "different shapes")]
+)
+def test_a_sparse_all_reduce_it_cannot_do_is_refused_on_every_rank(case: str, message: str) -> None:
+    res = run("torch_workers.sparse_refused", 2, case, timeout=90)
+    for f in res:
+        assert isinstance(f, Failure) and "ValueError" in f.message and message in f.message, f
+
+
+def test_ddp_with_a_sparse_embedding_matches_gloo() -> None:
+    world = 2
+    mcp = as_torch(ok(run("torch_workers.ddp_sparse_embedding", world, "mcp", timeout=180)))
+    gloo = as_torch(ok(run("torch_workers.ddp_sparse_embedding", world, "gloo", timeout=180)))
+    for rank in range(world):
+        for a, b in zip(mcp[rank], gloo[rank], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(mcp[rank], mcp[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -513,3 +513,82 @@ def host_group_needs_mcp(rank: int, world: int) -> str:
     finally:
         dist.destroy_process_group()
     return "no error"
+
+
+def _coo(indices: torch.Tensor, values: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
+    return torch.sparse_coo_tensor(indices, values, size, check_invariants=True)
+
+
+def _sparse_cases(rank: int) -> dict[str, torch.Tensor]:
+    """Sparse tensors per rank: overlapping entries, a dense dimension, an uncoalesced input
+    (a repeated index), a rank with no entries, every rank without entries."""
+    gen = torch.Generator().manual_seed(7 + rank)
+    idx = torch.tensor([[rank, 3, 5 + rank, 9]])
+    return {
+        "vector": _coo(idx, torch.randn(4, generator=gen), (12,)),
+        "rows": _coo(torch.tensor([[0, 2 + rank]]), torch.randn(2, 3, generator=gen), (6, 3)),
+        "float64_2d": _coo(
+            torch.tensor([[1, rank], [0, 2]]),
+            torch.randn(2, dtype=torch.float64, generator=gen),
+            (3, 3),
+        ),
+        "uncoalesced": _coo(torch.tensor([[4, 4, rank]]), torch.tensor([1.5, 2.25, 0.5]), (8,)),
+        "one_empty": _coo(
+            torch.tensor([[1, 2]]) if rank == 0 else torch.zeros((1, 0), dtype=torch.int64),
+            torch.tensor([1.0, 2.0]) if rank == 0 else torch.zeros(0),
+            (4,),
+        ),
+        "all_empty": _coo(torch.zeros((1, 0), dtype=torch.int64), torch.zeros(0), (4,)),
+    }
+
+
+def sparse_all_reduce(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """Sums each sparse case across ranks in place; returns each result as (coalesced,
+    indices, values, dense)."""
+    _init(backend)
+    out: dict[str, Any] = {}
+    for name, t in _sparse_cases(rank).items():
+        dist.all_reduce(t)
+        out[name] = {
+            "coalesced": torch.tensor(t.is_coalesced()),
+            "indices": t._indices().clone(),
+            "values": t._values().clone(),
+            "dense": t.to_dense(),
+        }
+    t = _coo(torch.tensor([[0]]), torch.ones(1), (4,))
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    out["async"] = t.to_dense()
+    dist.destroy_process_group()
+    return out
+
+
+def sparse_refused(rank: int, world: int, case: str) -> None:
+    """A sparse all-reduce every rank must refuse: MAX, or shapes that differ across ranks."""
+    _init(timeout=20)
+    if case == "max":
+        t = _coo(torch.tensor([[0]]), torch.ones(1), (4,))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    else:
+        t = _coo(torch.tensor([[0]]), torch.ones(1), (4 + rank,))
+        dist.all_reduce(t)
+
+
+def ddp_sparse_embedding(rank: int, world: int, backend: str, steps: int = 4) -> list[torch.Tensor]:
+    """DDP over a model with a sparse embedding (its gradients are sparse all-reduces) and a
+    dense layer; returns the final parameters."""
+    _init(backend)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(50, 8, mode="sum", sparse=True), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(200 + rank)
+    for _ in range(steps):
+        x = torch.randint(0, 50, (16, 5), generator=gen)
+        y = torch.randn(16, 2, generator=gen)
+        opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    dist.destroy_process_group()
+    return params

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .. import _core
 from ..group import Group, Work
 from ..settings import Settings
+from ._sparse import SparseGather, start_sparse_all_reduce
 from ._staging import Staged, stage
 
 BACKEND = "mcp"
@@ -341,12 +342,33 @@ class MCPProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         staged = [stage(t) for t in tensors]
         return self._work(
             lambda: [self._mcp.all_reduce(s.host, op=op, async_op=True) for s in staged],
             tensors,
             staged,
         )
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str) -> MCPWork:
+        if not all(t.is_sparse for t in tensors):
+            raise ValueError("all_reduce: a list of tensors mixes sparse and dense ones")
+        gathers: list[SparseGather] = []
+
+        def start() -> list[Work | None]:
+            works: list[Work | None] = []
+            for t in tensors:
+                gather, started = start_sparse_all_reduce(self._mcp, t, op)
+                gathers.append(gather)
+                works.extend(started)
+            return works
+
+        def after() -> None:
+            for g in gathers:
+                g.write_back()
+
+        return self._work(start, tensors, after=after)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)

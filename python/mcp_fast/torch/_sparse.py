@@ -1,0 +1,93 @@
+"""All-reduce of sparse COO tensors (``nn.Embedding(sparse=True)`` gradients under DDP).
+
+Each rank's tensor is coalesced, the ranks exchange how many entries they hold, then gather
+every rank's indices and values padded to the largest count, and each sums the ranks' tensors
+in rank order, as Gloo does: every rank gets the same, bit-identical coalesced result. Only
+SUM is defined on sparse tensors here (as on Gloo).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..group import Group, Work
+
+
+@dataclass
+class SparseGather:
+    """One tensor's gather in flight: the buffers the ranks' entries arrive in."""
+
+    tensor: torch.Tensor
+    counts: list[int]
+    indices: torch.Tensor  # (world, sparse_dim, max count)
+    values: torch.Tensor  # (world, max count, *dense shape)
+
+    def result(self) -> torch.Tensor:
+        """The sum of every rank's tensor, coalesced, on the host."""
+        shape = self.tensor.shape
+        total: torch.Tensor | None = None
+        for r, n in enumerate(self.counts):
+            part = torch.sparse_coo_tensor(
+                self.indices[r, :, :n],
+                self.values[r, :n],
+                shape,
+                is_coalesced=True,
+                # Entries from other ranks: checked, so that a bad index is an error, not a
+                # write out of bounds.
+                check_invariants=True,
+            )
+            total = part if total is None else total + part
+        assert total is not None  # a group has at least one rank
+        return total.coalesce()
+
+    def write_back(self) -> None:
+        """Replaces the tensor's entries by the sum (the tensor keeps its device)."""
+        with torch.no_grad():
+            self.tensor.copy_(self.result().to(self.tensor.device))
+
+
+def start_sparse_all_reduce(
+    group: Group, tensor: torch.Tensor, op: str
+) -> tuple[SparseGather, list[Work | None]]:
+    """Starts the all-reduce of the sparse ``tensor``. The exchange of entry counts and shapes
+    completes before this returns (every rank must have called it), so that the gathers
+    that follow are issued in call order like every other operation."""
+    if op != "sum":
+        raise ValueError(
+            f"all_reduce of a sparse tensor supports only SUM, not {op.upper()}: "
+            "densify the tensor (tensor.to_dense()) for other operations"
+        )
+    local = tensor.detach().cpu().coalesce()
+    world = group.world_size
+    # Each rank's entry count and shape: a rank whose tensor has another number of dimensions
+    # fails this gather on every rank; one of another shape is refused below, on every rank.
+    meta = torch.tensor([local._nnz(), local.sparse_dim(), *local.shape], dtype=torch.int64)
+    metas = torch.empty((world, meta.numel()), dtype=torch.int64)
+    group.all_gather(metas, meta)
+    if not bool((metas[:, 1:] == meta[1:]).all()):
+        shapes = [f"{tuple(m[2:].tolist())} sparse_dim={int(m[1])}" for m in metas]
+        raise ValueError(
+            f"all_reduce of sparse tensors of different shapes across ranks: {shapes}; "
+            "every rank must pass a tensor of the same size and sparse dimensions"
+        )
+    counts = [int(c) for c in metas[:, 0].tolist()]
+    most = max(counts)
+    idx = torch.zeros((local.sparse_dim(), most), dtype=torch.int64)
+    idx[:, : local._nnz()] = local._indices()
+    vals = torch.zeros((most, *local._values().shape[1:]), dtype=local.dtype)
+    vals[: local._nnz()] = local._values()
+    gather = SparseGather(
+        tensor,
+        counts,
+        torch.empty((world, *idx.shape), dtype=idx.dtype),
+        torch.empty((world, *vals.shape), dtype=vals.dtype),
+    )
+    if most == 0:
+        return gather, []  # every rank's tensor is empty: so is the sum
+    works = [
+        group.all_gather(gather.indices, idx, async_op=True),
+        group.all_gather(gather.values, vals, async_op=True),
+    ]
+    return gather, works
