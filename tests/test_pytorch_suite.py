@@ -14,7 +14,6 @@ pytest.importorskip("torch")
 pytest.importorskip("expecttest")
 
 SUITE = Path(__file__).resolve().parent / "pytorch_suite" / "distributed.py"
-AS_GLOO = SUITE.with_name("as_gloo.py")
 
 # The collectives a DDP/FSDP job and torch's own tests lean on, every dtype among them.
 SUBSET = " or ".join(
@@ -39,9 +38,11 @@ AS_GLOO_SUBSET = [
 ]
 
 
-def _run_suite(suite: Path, backend: str, subset: str, tmp_path: Path) -> str:
-    env = {**os.environ, "BACKEND": backend, "WORLD_SIZE": "2", "TEMP_DIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "pytest", str(suite), "-v", "-k", subset]
+def _run_suite(subset: str, tmp_path: Path, as_gloo: bool) -> str:
+    env = {**os.environ, "WORLD_SIZE": "2", "TEMP_DIR": str(tmp_path)}
+    env["BACKEND"] = "gloo" if as_gloo else "mcp"
+    env["MCP_SUITE_AS_GLOO"] = "1" if as_gloo else "0"
+    cmd = [sys.executable, "-m", "pytest", str(SUITE), "-v", "-k", subset]
     cmd += ["-c", os.devnull, "-p", "no:cacheprovider", "--timeout", "120", "-rfs"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=880, env=env)
     tail = (r.stdout + r.stderr)[-6000:]
@@ -52,13 +53,13 @@ def _run_suite(suite: Path, backend: str, subset: str, tmp_path: Path) -> str:
 
 @pytest.mark.timeout(900)
 def test_pytorch_distributed_tests_pass_on_mcp(tmp_path: Path) -> None:
-    _run_suite(SUITE, "mcp", SUBSET, tmp_path)
+    _run_suite(SUBSET, tmp_path, as_gloo=False)
 
 
 @pytest.mark.timeout(900)
 def test_pytorch_tests_gated_on_gloo_pass_on_mcp(tmp_path: Path) -> None:
     subset = " or ".join(f"{name} and not cuda" for name in AS_GLOO_SUBSET)
-    out = _run_suite(AS_GLOO, "gloo", subset, tmp_path)
+    out = _run_suite(subset, tmp_path, as_gloo=True)
     for name in AS_GLOO_SUBSET:
         # It ran and passed: a skip would pass without testing anything.
         assert f"::{name} PASSED" in out, (name, out[-3000:])

@@ -27,9 +27,8 @@ class SparseGather:
     def result(self) -> torch.Tensor:
         """The sum of every rank's tensor, coalesced, on the host."""
         shape = self.tensor.shape
-        total: torch.Tensor | None = None
-        for r, n in enumerate(self.counts):
-            part = torch.sparse_coo_tensor(
+        parts = [
+            torch.sparse_coo_tensor(
                 self.indices[r, :, :n],
                 self.values[r, :n],
                 shape,
@@ -38,8 +37,11 @@ class SparseGather:
                 # write out of bounds.
                 check_invariants=True,
             )
-            total = part if total is None else total + part
-        assert total is not None  # a group has at least one rank
+            for r, n in enumerate(self.counts)
+        ]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part  # in rank order, as Gloo adds them
         return total.coalesce()
 
     def write_back(self) -> None:
