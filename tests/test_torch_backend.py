@@ -548,3 +548,38 @@ def test_ddp_with_a_sparse_embedding_matches_gloo() -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         for a, b in zip(mcp[rank], mcp[0], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_parallel_matches_training_alone(world: int) -> None:
+    # DTensor's column- and row-wise parallel linear layers over "mcp" (3 ranks: uneven
+    # shards): the same losses and parameters as the unsplit model trained alone, and as Gloo.
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    mcp = as_torch(ok(run("torch_workers.tensor_parallel_train", world, "mcp", timeout=180)))
+    gloo = as_torch(ok(run("torch_workers.tensor_parallel_train", world, "gloo", timeout=180)))
+    for rank in range(world):
+        got = mcp[rank]
+        assert got["losses"]["tp"] == pytest.approx(got["losses"]["alone"], rel=1e-5)
+        assert got["losses"]["tp"] == pytest.approx(gloo[rank]["losses"]["tp"], rel=1e-6)
+        for a, b, g in zip(got["full"], got["alone"], gloo[rank]["full"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, g, rtol=1e-6, atol=1e-7)
+        moved = [
+            float((a - b).abs().max()) for a, b in zip(got["full"], mcp[0]["full"], strict=True)
+        ]
+        assert moved == [0.0] * len(moved)  # every rank holds the same model
+
+
+@pytest.mark.parametrize(("world", "schedule"), [(2, "gpipe"), (2, "1f1b"), (3, "1f1b")])
+def test_pipeline_parallel_matches_training_alone(world: int, schedule: str) -> None:
+    # torch.distributed.pipelining over "mcp": activations and gradients travel point to
+    # point between stages; every stage ends the step as the whole model trained alone would.
+    pytest.importorskip("torch.distributed.pipelining")
+    res = as_torch(ok(run("torch_workers.pipeline_train", world, "mcp", schedule, timeout=180)))
+    last = res[world - 1]
+    torch.testing.assert_close(last["output"], last["ref_output"], rtol=1e-5, atol=1e-6)
+    assert last["losses"] == pytest.approx(last["ref_losses"], rel=1e-5)
+    for rank in range(world):
+        assert len(res[rank]["stage"]) == 4
+        for a, b in zip(res[rank]["stage"], res[rank]["ref_stage"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

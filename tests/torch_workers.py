@@ -592,3 +592,100 @@ def ddp_sparse_embedding(rank: int, world: int, backend: str, steps: int = 4) ->
     params = [p.detach().clone() for p in model.parameters()]
     dist.destroy_process_group()
     return params
+
+
+def _mlp(width: int, depth: int) -> nn.Sequential:
+    """A ``depth``-layer MLP of ``width`` features, the same weights on every rank."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def tensor_parallel_train(rank: int, world: int, backend: str, steps: int = 3) -> dict[str, Any]:
+    """Megatron-style tensor parallelism with DTensor on a 1-D mesh of every rank: the first
+    layer split by columns, the second by rows (an all-reduce in forward, one in backward),
+    SGD on the same batches on every rank. Returns the losses and the full parameters, and
+    those of the same model trained in this process alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    _init(backend)
+    mesh = init_device_mesh("cpu", (world,))
+    model, alone = _mlp(12, 2), _mlp(12, 2)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, alone)]
+    gen = torch.Generator().manual_seed(7)  # the same batches on every rank
+    losses: dict[str, list[float]] = {"tp": [], "alone": []}
+    for _ in range(steps):
+        x, y = torch.randn(6, 12, generator=gen), torch.randn(6, 12, generator=gen)
+        for key, m, opt in zip(("tp", "alone"), (model, alone), opts, strict=True):
+            opt.zero_grad()
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses[key].append(float(loss))
+    full = [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for p in model.parameters()
+    ]
+    dist.destroy_process_group()
+    return {
+        "losses": losses,
+        "full": full,
+        "alone": [p.detach().clone() for p in alone.parameters()],
+    }
+
+
+def pipeline_train(rank: int, world: int, backend: str, schedule: str) -> dict[str, Any]:
+    """One pipeline-parallel training step with ``torch.distributed.pipelining``: each rank
+    holds one stage (two layers) of a ``2 x world``-layer MLP, four micro-batches pass
+    through the schedule (activations forward, gradients back, point to point). Returns this
+    stage's parameters after the step, the last stage's output and losses, and the same
+    from the whole model trained in this process alone."""
+    import inspect
+
+    from torch.distributed import pipelining
+
+    _init(backend)
+    width, n_micro = 10, 4
+    full, alone = _mlp(width, 2 * world), _mlp(width, 2 * world)
+    stage_mod = full[4 * rank : 4 * rank + 4]  # (Linear, Tanh) x 2
+    stage = pipelining.PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+    sched_cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
+    kwargs: dict[str, Any] = {}
+    if "scale_grads" in inspect.signature(sched_cls.__init__).parameters:
+        kwargs["scale_grads"] = False  # gradients summed over micro-batches, as below
+    sched = sched_cls(stage, n_micro, loss_fn=lambda o, t: ((o - t) ** 2).mean(), **kwargs)
+    gen = torch.Generator().manual_seed(11)
+    x, y = torch.randn(8, width, generator=gen), torch.randn(8, width, generator=gen)
+    opt = torch.optim.SGD(stage_mod.parameters(), lr=0.1)
+    opt.zero_grad()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        sched.step(x)
+    elif rank == world - 1:
+        losses: list[torch.Tensor] = []
+        out["output"] = sched.step(target=y, losses=losses).detach().clone()
+        out["losses"] = [float(v) for v in losses]
+    else:
+        sched.step()
+    opt.step()
+    dist.destroy_process_group()
+    with torch.no_grad():
+        out["ref_output"] = alone(x)
+    ref_opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    pairs = zip(x.chunk(n_micro), y.chunk(n_micro), strict=True)
+    ref_losses = [((alone(xc) - yc) ** 2).mean() for xc, yc in pairs]
+    torch.stack(ref_losses).sum().backward()
+    ref_opt.step()
+    out["stage"] = [p.detach().clone() for p in stage_mod.parameters()]
+    out["ref_stage"] = [p.detach().clone() for p in alone[4 * rank : 4 * rank + 4].parameters()]
+    out["ref_losses"] = [float(v) for v in ref_losses]
+    return out
