@@ -28,13 +28,15 @@ SUBSET = " or ".join(
 
 
 # Tests torch runs on Gloo only (DDP on CPU, no_sync with a hook chaining `then`, sparse
-# all-reduce, batched point-to-point with tags, work futures), each on "mcp".
+# all-reduce, batched point-to-point with tags, work futures, a barrier's timeout, whose
+# message the test matches against Gloo's wording), each on "mcp".
 AS_GLOO_SUBSET = [
     "test_DistributedDataParallelCPU",
     "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
     "test_sparse_all_reduce_sum",
     "test_batch_isend_irecv_gloo_tags",
     "test_get_future",
+    "test_barrier_timeout_full_group",
 ]
 
 

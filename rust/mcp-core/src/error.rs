@@ -30,7 +30,9 @@ pub enum Error {
         reason: String,
     },
     /// An operation did not finish before its deadline.
-    #[error("timed out after {:.1} s: {what}", after.as_secs_f64())]
+    // "within the timeout of": the words that torch's own tests look for in a backend's
+    // timeout (" Timed out ", " timeout "), as Gloo's and NCCL's messages have them.
+    #[error("timed out (no progress within the timeout of {:.1} s): {what}", after.as_secs_f64())]
     Timeout {
         /// What we were waiting for.
         what: String,
