@@ -583,3 +583,18 @@ def test_pipeline_parallel_matches_training_alone(world: int, schedule: str) -> 
         assert len(res[rank]["stage"]) == 4
         for a, b in zip(res[rank]["stage"], res[rank]["ref_stage"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_finds_a_backend_for_each_device_of_an_mcp_group() -> None:
+    # torch's own code asks a group for its backend per device (init_process_group with a
+    # device_id, batch_isend_irecv, DeviceMesh, FSDP2): "mcp" answers for cpu and cuda, as a
+    # backend without NCCL-style splitting, coalescing or allocation, and refuses others.
+    world = 2
+    for rank, out in enumerate(as_torch(ok(run("torch_workers.device_backends", world)))):
+        for name in ("world", "sub"):
+            for d in ("cpu", "cuda"):
+                assert out[f"{name}/{d}"] == ["mcp", False, False, False], (name, d, out)
+            assert "takes cpu and cuda tensors, not meta" in out[f"{name}/meta"], out
+            want = torch.full((3,), float((rank - 1) % world))
+            torch.testing.assert_close(out[f"{name}/exchanged"], want, rtol=0, atol=0)
+            torch.testing.assert_close(out[f"{name}/all_reduce"], torch.full((4,), 2.0))

@@ -316,10 +316,51 @@ def torch_any_source(rank: int, world: int) -> list[int]:
     return got
 
 
-def cuda_collectives(rank: int, world: int) -> dict[str, Any]:
-    """CUDA tensors through the backend (staged via pinned host buffers)."""
+def device_backends(rank: int, world: int) -> dict[str, Any]:
+    """What torch's own code reads of ``group._get_backend(device)``, for the default group
+    and a subgroup; then a batched exchange and an all-reduce on each, which take that path."""
     _init()
+    sub = dist.new_group(list(range(world)))
+    out: dict[str, Any] = {}
+    for name, g in (("world", dist.group.WORLD), ("sub", sub)):
+        for d in ("cpu", "cuda"):
+            dev = torch.device(d)
+            b = g._get_backend(dev)  # type: ignore[union-attr]
+            out[f"{name}/{d}"] = [
+                b.name(),
+                b.supports_splitting,
+                b.supports_coalescing,
+                b.supports_tensor_alloc(dev),
+            ]
+        try:
+            g._get_backend(torch.device("meta"))  # type: ignore[union-attr]
+            out[f"{name}/meta"] = "accepted"
+        except RuntimeError as e:
+            out[f"{name}/meta"] = str(e)
+        peer = (rank + 1) % world
+        got = torch.zeros(3)
+        ops = [
+            dist.P2POp(dist.isend, torch.full((3,), float(rank)), peer, group=g),
+            dist.P2POp(dist.irecv, got, (rank - 1) % world, group=g),
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        t = torch.ones(4)
+        dist.all_reduce(t, group=g)
+        out[f"{name}/exchanged"] = got
+        out[f"{name}/all_reduce"] = t
+    dist.destroy_process_group()
+    return out
+
+
+def cuda_collectives(rank: int, world: int, bind_device: bool = False) -> dict[str, Any]:
+    """CUDA tensors through the backend (staged via pinned host buffers); ``bind_device``:
+    ``init_process_group(device_id=...)`` as NCCL scripts call it."""
     dev = torch.device("cuda", rank % torch.cuda.device_count())
+    if bind_device:
+        dist.init_process_group("mcp", timeout=timedelta(seconds=60), device_id=dev)
+    else:
+        _init()
     torch.cuda.set_device(dev)
     t = torch.full((1 << 20,), float(rank + 1), device=dev)
     dist.all_reduce(t)

@@ -224,6 +224,37 @@ def _split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# The device types whose tensors the group takes (CUDA ones are staged through host memory).
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+class DeviceBackend:
+    """What ``group._get_backend(device)`` answers for an "mcp" group.
+
+    The group is a Python ``ProcessGroup`` that serves every device itself, so torch holds no
+    per-device backend for it, and its own code that asks for one (``init_process_group(...,
+    device_id=cuda:N)`` as NCCL scripts call it, ``batch_isend_irecv``, DeviceMesh, FSDP2's
+    buffers) would stop at "No backend type associated with device type". This answers as a
+    backend that neither splits communicators nor coalesces NCCL-style, allocates no tensors
+    and estimates no times, so torch takes its plain path, which calls the group."""
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def name(self) -> str:
+        return BACKEND
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"DeviceBackend({BACKEND!r}, {self.device})"
+
+
 class MCPProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on mcp_fast's Rust core."""
 
@@ -320,6 +351,15 @@ class MCPProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def _get_backend(self, device: torch.device | str) -> DeviceBackend:  # type: ignore[override]
+        dev = torch.device(device)
+        if dev.type not in DEVICE_TYPES:
+            raise RuntimeError(
+                f"the mcp backend takes {' and '.join(DEVICE_TYPES)} tensors, not {dev.type}: "
+                "move the tensors to one of those, or use a backend for that device"
+            )
+        return DeviceBackend(dev)
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
@@ -646,7 +686,7 @@ def register() -> None:
     if _registered or BACKEND in dist.Backend.backend_list:
         _registered = True
         return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(DEVICE_TYPES))
     _registered = True
 
 
