@@ -605,11 +605,13 @@ def sparse_all_reduce(rank: int, world: int, backend: str) -> dict[str, Any]:
 
 
 def sparse_refused(rank: int, world: int, case: str) -> None:
-    """A sparse all-reduce every rank must refuse: MAX, or shapes that differ across ranks."""
+    """A sparse all-reduce every rank must refuse: MAX on every rank or on rank 0 alone, or
+    shapes that differ across ranks."""
     _init(timeout=20)
-    if case == "max":
+    if case in ("max", "max_on_one"):
         t = _coo(torch.tensor([[0]]), torch.ones(1), (4,))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        op = dist.ReduceOp.MAX if case == "max" or rank == 0 else dist.ReduceOp.SUM
+        dist.all_reduce(t, op=op)
     else:
         t = _coo(torch.tensor([[0]]), torch.ones(1), (4 + rank,))
         dist.all_reduce(t)

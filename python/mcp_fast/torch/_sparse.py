@@ -53,23 +53,30 @@ class SparseGather:
 def start_sparse_all_reduce(
     group: Group, tensor: torch.Tensor, op: str
 ) -> tuple[SparseGather, list[Work | None]]:
-    """Starts the all-reduce of the sparse ``tensor``. The exchange of entry counts and shapes
-    completes before this returns (every rank must have called it), so that the gathers
-    that follow are issued in call order like every other operation."""
-    if op != "sum":
-        raise ValueError(
-            f"all_reduce of a sparse tensor supports only SUM, not {op.upper()}: "
-            "densify the tensor (tensor.to_dense()) for other operations"
-        )
+    """Starts the all-reduce of the sparse ``tensor``. The exchange of entry counts, shapes
+    and ops completes before this returns (every rank must have called it), so that the
+    gathers that follow are issued in call order like every other operation. An op other than
+    SUM, or a shape that differs, is refused after that exchange, on every rank alike: a rank
+    that refused alone would leave the others waiting for it until their timeout."""
     local = tensor.detach().cpu().coalesce()
     world = group.world_size
-    # Each rank's entry count and shape: a rank whose tensor has another number of dimensions
-    # fails this gather on every rank; one of another shape is refused below, on every rank.
-    meta = torch.tensor([local._nnz(), local.sparse_dim(), *local.shape], dtype=torch.int64)
+    # Each rank's entry count, whether it asked for SUM, and shape: a rank whose tensor has
+    # another number of dimensions fails this gather on every rank; the rest is checked below.
+    summing = int(op == "sum")
+    meta = torch.tensor(
+        [local._nnz(), summing, local.sparse_dim(), *local.shape], dtype=torch.int64
+    )
     metas = torch.empty((world, meta.numel()), dtype=torch.int64)
     group.all_gather(metas, meta)
-    if not bool((metas[:, 1:] == meta[1:]).all()):
-        shapes = [f"{tuple(m[2:].tolist())} sparse_dim={int(m[1])}" for m in metas]
+    others = [r for r, flag in enumerate(metas[:, 1].tolist()) if flag != 1]
+    if others:
+        raise ValueError(
+            f"all_reduce of a sparse tensor supports only SUM; rank(s) {others} asked for "
+            f"another operation (this rank: {op.upper()}): densify the tensor "
+            "(tensor.to_dense()) for other operations"
+        )
+    if not bool((metas[:, 2:] == meta[2:]).all()):
+        shapes = [f"{tuple(m[3:].tolist())} sparse_dim={int(m[2])}" for m in metas]
         raise ValueError(
             f"all_reduce of sparse tensors of different shapes across ranks: {shapes}; "
             "every rank must pass a tensor of the same size and sparse dimensions"
