@@ -232,11 +232,11 @@ class DeviceBackend:
     """What ``group._get_backend(device)`` answers for an "mcp" group.
 
     The group is a Python ``ProcessGroup`` that serves every device itself, so torch holds no
-    per-device backend for it, and its own code that asks for one (``init_process_group(...,
-    device_id=cuda:N)`` as NCCL scripts call it, ``batch_isend_irecv``, DeviceMesh, FSDP2's
-    buffers) would stop at "No backend type associated with device type". This answers as a
-    backend that neither splits communicators nor coalesces NCCL-style, allocates no tensors
-    and estimates no times, so torch takes its plain path, which calls the group."""
+    per-device backend for it, and its code that asks for one (``init_process_group(...,
+    device_id=cuda:N)`` as NCCL scripts call it; DeviceMesh and FSDP2 in some set-ups) would
+    stop at "No backend type associated with device type". This answers as a backend that
+    neither splits communicators nor coalesces NCCL-style, allocates no tensors and estimates
+    no times, so torch takes its plain path, which calls the group."""
 
     supports_splitting = False
     supports_coalescing = False
