@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -605,3 +606,19 @@ def test_torch_finds_a_backend_for_each_device_of_an_mcp_group() -> None:
             want = torch.full((3,), float((rank - 1) % world))
             torch.testing.assert_close(out[f"{name}/exchanged"], want, rtol=0, atol=0)
             torch.testing.assert_close(out[f"{name}/all_reduce"], torch.full((4,), 2.0))
+
+
+def test_distributed_checkpoint_async_save_and_broadcast_from_rank0(tmp_path: Path) -> None:
+    # torch.distributed.checkpoint on "mcp": async_save refused to run without a CPU device
+    # on the group, and broadcast_from_rank0 picked a device from an empty list.
+    world = 3
+    res = as_torch(
+        ok(run("torch_workers.checkpoint_round_trip", world, str(tmp_path), timeout=180))
+    )
+    for out in res:
+        assert out["device_types"] == ["cpu", "cuda"]
+        for a, b in zip(out["loaded"], out["saved"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(out["received"], res[0]["received"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # rank 0's weights everywhere
+    assert not torch.equal(res[0]["received"][0], res[0]["saved"][0])  # they differ from seed 0

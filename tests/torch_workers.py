@@ -353,6 +353,42 @@ def device_backends(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def checkpoint_round_trip(rank: int, world: int, path: str) -> dict[str, Any]:
+    """torch.distributed.checkpoint on an "mcp" group: ``async_save`` of each rank's model,
+    ``load`` into a fresh one; then ``set_model_state_dict`` with ``broadcast_from_rank0``
+    (rank 0's full state dict sent to every rank). Returns what each step produced."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
+
+    _init()
+    torch.manual_seed(0)  # the same model on every rank, as DCP expects of unsharded ones
+    saved = nn.Linear(6, 3)
+    dcp.async_save({"model": saved.state_dict()}, checkpoint_id=path).result()
+    loaded = nn.Linear(6, 3)
+    state = {"model": loaded.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    loaded.load_state_dict(state["model"])
+    torch.manual_seed(100 + rank)  # each rank starts from its own weights
+    received = nn.Linear(6, 3)
+    full = received.state_dict() if rank == 0 else {}
+    set_model_state_dict(
+        received,
+        full,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    out = {
+        "device_types": [str(d) for d in dist.group.WORLD._device_types],  # type: ignore[union-attr]
+        "saved": [p.detach().clone() for p in saved.parameters()],
+        "loaded": [p.detach().clone() for p in loaded.parameters()],
+        "received": [p.detach().clone() for p in received.parameters()],
+    }
+    dist.destroy_process_group()
+    return out
+
+
 def cuda_collectives(rank: int, world: int, bind_device: bool = False) -> dict[str, Any]:
     """CUDA tensors through the backend (staged via pinned host buffers); ``bind_device``:
     ``init_process_group(device_id=...)`` as NCCL scripts call it."""

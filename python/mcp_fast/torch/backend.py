@@ -352,6 +352,13 @@ class MCPProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    @property
+    def _device_types(self) -> list[torch.device]:  # type: ignore[override]
+        # torch's Python-backend path registers no device for this group; its code that asks
+        # (DCP's async_save wants CPU, broadcast_from_rank0 picks a device from the list)
+        # must find the devices whose tensors the group takes.
+        return [torch.device(d) for d in DEVICE_TYPES]
+
     def _get_backend(self, device: torch.device | str) -> DeviceBackend:  # type: ignore[override]
         dev = torch.device(device)
         if dev.type not in DEVICE_TYPES:
