@@ -622,3 +622,15 @@ def test_distributed_checkpoint_async_save_and_broadcast_from_rank0(tmp_path: Pa
         for a, b in zip(out["received"], res[0]["received"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # rank 0's weights everywhere
     assert not torch.equal(res[0]["received"][0], res[0]["saved"][0])  # they differ from seed 0
+
+
+def test_zero_and_post_local_sgd_match_gloo() -> None:
+    # ZeroRedundancyOptimizer and PostLocalSGDOptimizer over "mcp": bit-identical to Gloo.
+    world = 2
+    mcp = as_torch(ok(run("torch_workers.zero_and_post_local_sgd", world, "mcp", timeout=180)))
+    gloo = as_torch(ok(run("torch_workers.zero_and_post_local_sgd", world, "gloo", timeout=180)))
+    for rank in range(world):
+        for key in ("zero", "local_sgd"):
+            for a, b, c in zip(mcp[rank][key], gloo[rank][key], mcp[0][key], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+                torch.testing.assert_close(a, c, rtol=0, atol=0)

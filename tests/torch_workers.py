@@ -353,6 +353,48 @@ def device_backends(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def zero_and_post_local_sgd(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """torch.distributed.optim on top of DDP: ``ZeroRedundancyOptimizer`` (Adam's state
+    sharded, parameters broadcast from their owners, the state consolidated on rank 0), and
+    ``PostLocalSGDOptimizer`` with the post-local-SGD comm hook (all-reduced gradients for two
+    steps, then local steps averaged every second one). Returns both models' parameters."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pls
+    from torch.distributed.algorithms.model_averaging import averagers
+    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+
+    _init(backend)
+    gen = torch.Generator().manual_seed(300 + rank)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    for _ in range(3):
+        zero.zero_grad()
+        ((ddp(torch.randn(4, 8, generator=gen)) - 1) ** 2).mean().backward()
+        zero.step()
+    zero.consolidate_state_dict(to=0)
+    torch.manual_seed(0)
+    local = nn.Linear(8, 4)
+    ddp_local = nn.parallel.DistributedDataParallel(local)
+    sub, _ = dist.new_subgroups(group_size=world)
+    state = pls.PostLocalSGDState(process_group=None, subgroup=sub, start_localSGD_iter=2)
+    ddp_local.register_comm_hook(state, pls.post_localSGD_hook)
+    averager = averagers.PeriodicModelAverager(period=2, warmup_steps=2)
+    opt = PostLocalSGDOptimizer(
+        optim=torch.optim.SGD(local.parameters(), lr=0.1), averager=averager
+    )
+    for _ in range(6):
+        opt.zero_grad()
+        ((ddp_local(torch.randn(4, 8, generator=gen)) - 1) ** 2).mean().backward()
+        opt.step()
+    out = {
+        "zero": [p.detach().clone() for p in model.parameters()],
+        "local_sgd": [p.detach().clone() for p in local.parameters()],
+    }
+    dist.destroy_process_group()
+    return out
+
+
 def checkpoint_round_trip(rank: int, world: int, path: str) -> dict[str, Any]:
     """torch.distributed.checkpoint on an "mcp" group: ``async_save`` of each rank's model,
     ``load`` into a fresh one; then ``set_model_state_dict`` with ``broadcast_from_rank0``
