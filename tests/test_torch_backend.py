@@ -90,6 +90,7 @@ MODES = [
     "hook_fp16",
     "hook_powersgd",
     "hook_thread",
+    "compiled",
 ]
 
 

@@ -159,8 +159,9 @@ def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) ->
         kwargs["static_graph"] = True
     # Small buckets (several all-reduces per step), except for PowerSGD, whose per-bucket
     # callback chains issue collectives from completion threads: with several buckets their
-    # order across ranks would depend on thread timing, for any backend.
-    bucket_mb = 25.0 if mode == "hook_powersgd" else 0.0001
+    # order across ranks would depend on thread timing, for any backend; and compiled DDP,
+    # whose graph splitter wants the first bucket no larger than the others.
+    bucket_mb = 25.0 if mode in ("hook_powersgd", "compiled") else 0.0001
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, **kwargs)
     if mode == "hook_allreduce":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -177,6 +178,13 @@ def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) ->
     if mode == "hook_thread":
         ddp.register_comm_hook(dist.group.WORLD, _hook_from_thread)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    if mode == "compiled" and backend == "mcp":
+        # Dynamo splits the graph at the buckets (DDPOptimizer) and runs DDP's own Python
+        # (bucket rebuilding) eagerly, calling the group from there. aot_eager: the same
+        # Dynamo path as inductor without needing a C++ compiler. Gloo, the reference, runs
+        # eagerly: once Dynamo is imported, its group's teardown can deadlock in torch
+        # (the destructor joins a thread that waits for the GIL it holds).
+        ddp = torch.compile(ddp, backend="aot_eager")
     gen = torch.Generator().manual_seed(100 + rank)
     n_steps = steps + (rank if mode == "join" else 0)  # uneven inputs for Join
     data = [

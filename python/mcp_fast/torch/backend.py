@@ -39,6 +39,32 @@ BACKEND = "mcp"
 _A2A_TAG = 0x4D415441  # marks the point-to-point messages of all_to_all
 
 
+def _eager(cls: type) -> type:
+    """Keeps torch.compile out of the class's methods.
+
+    While a compiled region runs the parts it could not capture (DDP's bucket rebuilding in
+    ``forward``, for one), Dynamo compiles every Python frame that starts, and torch's C++
+    calls our methods from there: it would trace the group's collectives and stop at the
+    group itself (a script object it cannot look into). They are communication, not graph;
+    Gloo's and NCCL's are C++ and never seen by Dynamo, so ours are marked to run eagerly,
+    with whatever they call. The mark is set on the code objects through torch's C module,
+    so that importing mcp_fast (which torch does at ``import torch``) does not import Dynamo.
+    """
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    strategy = getattr(frames, "_FrameExecStrategy", None)
+    action = getattr(frames, "_FrameAction", None)
+    if strategy is None or action is None or not hasattr(frames, "set_code_exec_strategy"):
+        return cls  # a torch without Dynamo's frame strategies
+    skip = strategy(action.SKIP, action.SKIP)  # this frame, and the frames it calls
+    for member in vars(cls).values():
+        fn = member.fget if isinstance(member, property) else member
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            frames.set_code_exec_strategy(code, skip)
+    return cls
+
+
+@_eager
 class MCPWork(dist._Work):
     """The work handle of one operation over the core's operations ``works``.
 
@@ -255,6 +281,7 @@ class DeviceBackend:
         return f"DeviceBackend({BACKEND!r}, {self.device})"
 
 
+@_eager
 class MCPProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on mcp_fast's Rust core."""
 
