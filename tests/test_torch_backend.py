@@ -106,15 +106,18 @@ def test_ddp_matches_gloo(mode: str) -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # replicas agree exactly
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_matches_gloo(world: int) -> None:
+@pytest.mark.parametrize(("world", "replicas"), [(2, 1), (3, 1), (4, 2)])
+def test_fsdp2_matches_gloo(world: int, replicas: int) -> None:
     # FSDP2 over "mcp": all_gather_into_tensor and reduce_scatter_tensor on flat shards (3
-    # ranks: uneven, padded), gradient accumulation without sync. FSDP1 needs an accelerator.
+    # ranks: uneven, padded), gradient accumulation without sync; 4 ranks as HSDP (2 replicas
+    # of 2 shards: the mesh's subgroups, and an all-reduce across replicas). FSDP1 needs an
+    # accelerator.
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
-    mcp = as_torch(ok(run("torch_workers.fsdp2_train", world, "mcp", timeout=180)))
-    gloo = as_torch(ok(run("torch_workers.fsdp2_train", world, "gloo", timeout=180)))
+    args = ("torch_workers.fsdp2_train", world)
+    mcp = as_torch(ok(run(*args, "mcp", 4, replicas, timeout=180)))
+    gloo = as_torch(ok(run(*args, "gloo", 4, replicas, timeout=180)))
     for rank in range(world):
         for a, b in zip(mcp[rank]["full"], gloo[rank]["full"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

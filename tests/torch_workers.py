@@ -220,20 +220,29 @@ def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) ->
     return params
 
 
-def fsdp2_train(rank: int, world: int, backend: str, steps: int = 4) -> dict[str, Any]:
+def fsdp2_train(
+    rank: int, world: int, backend: str, steps: int = 4, replicas: int = 1
+) -> dict[str, Any]:
     """Trains Net sharded with FSDP2 (``fully_shard`` per layer and at the root: all-gathers
     before forward and backward, reduce-scatters after), accumulating gradients over two
     micro-batches per step with gradient sync off for the first; returns this rank's full
-    parameters and the initial ones (all-gathered from the shards)."""
+    parameters and the initial ones (all-gathered from the shards). ``replicas`` > 1 is HSDP:
+    a 2-D mesh of that many replicas of a shard group each, whose gradients are all-reduced
+    across the replicas (the mesh's subgroups are groups of the backend too)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _init(backend)
+    mesh = None
+    if replicas > 1:
+        shape = (replicas, world // replicas)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = Net(with_unused=False)
     initial = [p.detach().clone() for p in model.parameters()]
-    fully_shard(model.a)
-    fully_shard(model.b)
-    fully_shard(model)
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
