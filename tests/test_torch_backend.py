@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,9 +116,10 @@ def test_fsdp2_matches_gloo(world: int, replicas: int) -> None:
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    steps = 4
     args = ("torch_workers.fsdp2_train", world)
-    mcp = as_torch(ok(run(*args, "mcp", 4, replicas, timeout=180)))
-    gloo = as_torch(ok(run(*args, "gloo", 4, replicas, timeout=180)))
+    mcp = as_torch(ok(run(*args, "mcp", steps, replicas, timeout=180)))
+    gloo = as_torch(ok(run(*args, "gloo", steps, replicas, timeout=180)))
     for rank in range(world):
         for a, b in zip(mcp[rank]["full"], gloo[rank]["full"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -220,6 +222,22 @@ def test_any_import_order_registers_the_backend(first: str) -> None:
     check = "import torch.distributed as dist\nassert 'mcp' in dist.Backend.backend_list"
     code = f"import {first}\n{check}"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_loading_the_backend_does_not_import_dynamo() -> None:
+    # torch loads mcp_fast at `import torch`; were that to import Dynamo, every Gloo user's DDP
+    # teardown could deadlock in torch (see _eager in the backend). Compared with torch alone.
+    code = (
+        "import sys, torch\n"
+        "before = 'torch._dynamo' in sys.modules\n"
+        "import mcp_fast.torch\n"
+        "assert ('torch._dynamo' in sys.modules) == before, 'mcp_fast imported torch._dynamo'"
+    )
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert r.returncode == 0, r.stderr
 
 
