@@ -215,6 +215,12 @@ def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) ->
     else:
         for x, y in data:
             step(x, y)
+    if mode == "compiled" and backend == "mcp":
+        from torch._dynamo.utils import counters
+
+        # A torch.compile that fell back to eager would train the same parameters.
+        if counters["stats"]["unique_graphs"] < 1:
+            raise RuntimeError(f"torch.compile captured no graph: {dict(counters['stats'])}")
     params = [p.detach().clone() for p in model.parameters()]
     dist.destroy_process_group()
     return params
