@@ -17,6 +17,10 @@ against Gloo's wording)::
     MCP_SUITE_AS_GLOO=1 WORLD_SIZE=2 .venv/bin/python -m pytest \\
         tests/pytorch_suite/distributed.py -c /dev/null -p no:cacheprovider --timeout 180
 
+With ``WORLD_SIZE=3`` (2026-12-06, 2 vCPUs): 65 passed and 220 skipped in 13 minutes; as
+Gloo, 86 passed, 195 skipped and 4 failed, all Gloo's own (``test_get_backend`` and three
+``monitored_barrier`` tests), in 35 minutes.
+
 Not named ``test_*``: it is collected only when named on the command line.
 """
 
