@@ -80,6 +80,29 @@ def test_every_collective_against_a_reference(world: int) -> None:
             torch.testing.assert_close(t, torch.full((7,), total, dtype=torch.float64), msg=name)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_on_views_that_are_not_contiguous(world: int) -> None:
+    # The result lands in the view's elements and nowhere else in its base.
+    results = as_torch(ok(run("torch_workers.strided_views", world, timeout=180)))
+    weight = sum(r + 1 for r in range(world))
+    for rank, out in enumerate(results):
+        m = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1)
+        m[:, 1] = torch.tensor([1.0, 5.0, 9.0]) * weight
+        torch.testing.assert_close(out["all_reduce_column"], m, rtol=0, atol=0)
+        t = torch.arange(6, dtype=torch.float64).reshape(2, 3) + (world - 1)
+        torch.testing.assert_close(out["all_reduce_transpose"], t, rtol=0, atol=0)
+        b = torch.full((2, 6), float(rank + 7))
+        b[:, ::2] = float(world - 1 + 7)
+        torch.testing.assert_close(out["broadcast_every_other"], b, rtol=0, atol=0)
+        g = torch.zeros(world, 4)
+        for i in range(world):
+            g[i, ::2] = float(i)
+        torch.testing.assert_close(out["all_gather_into_views"], g, rtol=0, atol=0)
+        rs = torch.zeros(2, 2)
+        rs[:, 0] = float(sum(r + rank for r in range(world)))
+        torch.testing.assert_close(out["reduce_scatter_into_column"], rs, rtol=0, atol=0)
+
+
 MODES = [
     "plain",
     "find_unused",

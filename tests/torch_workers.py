@@ -123,6 +123,31 @@ class Net(nn.Module):
 _HOOK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hook")
 
 
+def strided_views(rank: int, world: int) -> dict[str, Any]:
+    """Collectives on views that are not contiguous (a column, a transpose, every other
+    element); returns each view's base, so the test also sees the elements around the view
+    stay untouched."""
+    _init()
+    out: dict[str, Any] = {}
+    m = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1)
+    dist.all_reduce(m[:, 1])
+    out["all_reduce_column"] = m
+    t = torch.arange(6, dtype=torch.float64).reshape(2, 3) + rank
+    dist.all_reduce(t.t(), op=dist.ReduceOp.MAX)
+    out["all_reduce_transpose"] = t
+    b = torch.full((2, 6), float(rank + 7))
+    dist.broadcast(b[:, ::2], src=world - 1)
+    out["broadcast_every_other"] = b
+    base = torch.zeros(world, 4)
+    dist.all_gather([base[i, ::2] for i in range(world)], torch.full((2,), float(rank)))
+    out["all_gather_into_views"] = base
+    rs = torch.zeros(2, 2)
+    dist.reduce_scatter(rs[:, 0], [torch.full((2,), float(rank + i)) for i in range(world)])
+    out["reduce_scatter_into_column"] = rs
+    dist.destroy_process_group()
+    return out
+
+
 def _hook_from_thread(state, bucket):  # type: ignore[no-untyped-def]
     """A comm hook whose future is completed from another thread (one thread, so that the
     buckets' all-reduces are issued in the same order on every rank). No annotations: DDP
