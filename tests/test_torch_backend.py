@@ -155,6 +155,28 @@ def test_fsdp2_matches_gloo(world: int, replicas: int) -> None:
         assert min(moved) > 1e-4, moved  # every layer trained
 
 
+def test_fsdp2_with_a_gradient_divide_factor() -> None:
+    # set_gradient_divide_factor(3) on 2 ranks: FSDP2 reduce-scatters with PREMUL_SUM(1/3),
+    # which Gloo refuses; on mcp it must train as Gloo does when FSDP2 sums and divides after.
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp.FSDPModule, "set_force_sum_reduction_for_comms"):
+        pytest.skip("this torch's FSDP2 has no set_force_sum_reduction_for_comms")
+    args = ("torch_workers.fsdp2_train", 2)
+    premul = run(*args, "gloo", 2, 1, 3.0, False, timeout=180)
+    assert all(isinstance(f, Failure) and "PREMUL_SUM" in f.message for f in premul), premul
+    mcp = as_torch(ok(run(*args, "mcp", 4, 1, 3.0, False, timeout=180)))
+    gloo = as_torch(ok(run(*args, "gloo", 4, 1, 3.0, True, timeout=180)))
+    default = as_torch(ok(run(*args, "mcp", 4, 1, timeout=180)))
+    for rank in range(2):
+        for a, b in zip(mcp[rank]["full"], gloo[rank]["full"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # the factor took effect: other parameters than with the default (the world size)
+        assert any(
+            not torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+            for a, b in zip(mcp[rank]["full"], default[rank]["full"], strict=True)
+        )
+
+
 def test_shape_mismatch_is_an_error_on_every_rank() -> None:
     res = run("torch_workers.shape_mismatch", 2, timeout=90)
     for f in res:
@@ -226,8 +248,8 @@ def test_every_dtype_moves_bit_exactly_and_reduces_like_gloo() -> None:
 
 def test_bitwise_ops_reduce_like_gloo_and_floats_are_refused() -> None:
     # BAND, BOR and BXOR on every integer dtype Gloo reduces and on bool, 3 ranks (an odd
-    # count, where a xor counted twice would show): Gloo's bytes; a float tensor and
-    # PREMUL_SUM are a ValueError naming the op, on every rank.
+    # count, where a xor counted twice would show): Gloo's bytes; a float tensor is a
+    # ValueError naming the op, and so is PREMUL_SUM of integers, on every rank.
     mcp = ok(run("torch_workers.bitwise_ops", 3, "mcp", timeout=180))
     gloo = ok(run("torch_workers.bitwise_ops", 3, "gloo", timeout=180))
     for rank in range(3):
@@ -235,7 +257,41 @@ def test_bitwise_ops_reduce_like_gloo_and_floats_are_refused() -> None:
         for key, want in gloo[rank].items():
             assert mcp[rank][key] == want, (rank, key)
         assert mcp[rank]["float BXOR"].startswith("ValueError: op 'bxor' is bitwise")
-        assert mcp[rank]["PREMUL_SUM"].startswith('ValueError: unsupported op "premul_sum"')
+        assert mcp[rank]["int PREMUL_SUM"].startswith("ValueError: PREMUL_SUM multiplies")
+
+
+def test_premul_sum_scales_each_ranks_tensor_before_the_sum() -> None:
+    # NCCL's PREMUL_SUM, which FSDP2 reduce-scatters with after set_gradient_divide_factor
+    # (Gloo refuses it): sum over ranks of (tensor x factor), the factor a float or a
+    # one-element tensor in the tensor's dtype; bit-exact for 2 ranks (one addition per
+    # element); inputs left as they were; integer tensors refused on every rank, and the
+    # group goes on.
+    res = as_torch(ok(run("torch_workers.premul_sum", 2, timeout=180)))
+    x = [torch.linspace(-3.0, 5.0, 12) * (r + 1) + 0.1 * r for r in range(2)]
+    for fname, factor in [("float", 0.37), ("tensor", torch.tensor([1.0 / 3.0]))]:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            key = f"{fname} {dtype}"
+            f = factor.to(dtype).reshape(()) if isinstance(factor, torch.Tensor) else factor
+            want = x[0].to(dtype) * f + x[1].to(dtype) * f
+            if dtype == torch.bfloat16:
+                want = want.float()  # results come back as float32 (numpy has no bfloat16)
+            for rank in range(2):
+                got = res[rank]
+                mine = x[rank].to(dtype)
+                if dtype == torch.bfloat16:
+                    mine = mine.float()
+                exact = {"rtol": 0, "atol": 0}
+                torch.testing.assert_close(got[f"{key} all_reduce"], want, **exact)
+                torch.testing.assert_close(got[f"{key} all_reduce_coalesced"], want, **exact)
+                if rank == 0:
+                    torch.testing.assert_close(got[f"{key} reduce"], want, **exact)
+                chunk = want.chunk(2)[rank]
+                torch.testing.assert_close(got[f"{key} reduce_scatter_tensor"], chunk, **exact)
+                torch.testing.assert_close(got[f"{key} reduce_scatter"], chunk, **exact)
+                torch.testing.assert_close(got[f"{key} its input"], mine, **exact)
+    for rank in range(2):
+        assert res[rank]["int"].startswith("ValueError: PREMUL_SUM multiplies each rank's"), res
+        assert res[rank]["after"].tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("first", ["mcp_fast.torch", "mcp_fast", "torch"])

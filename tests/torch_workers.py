@@ -252,14 +252,23 @@ def ddp_train(rank: int, world: int, backend: str, mode: str, steps: int = 5) ->
 
 
 def fsdp2_train(
-    rank: int, world: int, backend: str, steps: int = 4, replicas: int = 1
+    rank: int,
+    world: int,
+    backend: str,
+    steps: int = 4,
+    replicas: int = 1,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
 ) -> dict[str, Any]:
     """Trains Net sharded with FSDP2 (``fully_shard`` per layer and at the root: all-gathers
     before forward and backward, reduce-scatters after), accumulating gradients over two
     micro-batches per step with gradient sync off for the first; returns this rank's full
     parameters and the initial ones (all-gathered from the shards). ``replicas`` > 1 is HSDP:
     a 2-D mesh of that many replicas of a shard group each, whose gradients are all-reduced
-    across the replicas (the mesh's subgroups are groups of the backend too)."""
+    across the replicas (the mesh's subgroups are groups of the backend too).
+    ``divide_factor`` divides the summed gradients by it instead of the world size: FSDP2
+    reduce-scatters with PREMUL_SUM for that, or with SUM and divides after when
+    ``force_sum``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -271,9 +280,11 @@ def fsdp2_train(
     torch.manual_seed(0)
     model = Net(with_unused=False)
     initial = [p.detach().clone() for p in model.parameters()]
-    fully_shard(model.a, mesh=mesh)
-    fully_shard(model.b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for module in (model.a, model.b, model):
+        fully_shard(module, mesh=mesh)
+        if divide_factor is not None:
+            module.set_gradient_divide_factor(divide_factor)
+            module.set_force_sum_reduction_for_comms(force_sum)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -589,7 +600,7 @@ BITWISE_DTYPES = ["bool", "uint8", "int8", "int32", "int64"]
 
 def bitwise_ops(rank: int, world: int, backend: str) -> dict[str, Any]:
     """all_reduce and reduce with BAND, BOR and BXOR on the integer dtypes Gloo reduces, as
-    bytes; on mcp also what a floating tensor and PREMUL_SUM raise."""
+    bytes; on mcp also what a floating tensor and an integer PREMUL_SUM raise."""
     _init(backend)
     out: dict[str, Any] = {}
     for name in BITWISE_DTYPES:
@@ -609,8 +620,10 @@ def bitwise_ops(rank: int, world: int, backend: str) -> dict[str, Any]:
         for what, call in [
             ("float BXOR", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BXOR)),
             (
-                "PREMUL_SUM",
-                lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0)),
+                "int PREMUL_SUM",
+                lambda: dist.all_reduce(
+                    torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0)
+                ),
             ),
         ]:
             try:
@@ -618,6 +631,46 @@ def bitwise_ops(rank: int, world: int, backend: str) -> dict[str, Any]:
                 out[what] = "no error"
             except Exception as e:  # the type is what the test checks
                 out[what] = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+    return out
+
+
+def premul_sum(rank: int, world: int) -> dict[str, Any]:
+    """NCCL's PREMUL_SUM (each rank's tensor times a factor, then summed) through every
+    reducing call, with a float factor and a one-element tensor factor; returns the results,
+    the inputs afterwards (where the call must leave them as they were) and the error of an
+    integer tensor, which every rank raises before anything is sent."""
+    _init()
+    out: dict[str, Any] = {}
+    x = torch.linspace(-3.0, 5.0, 12) * (rank + 1) + 0.1 * rank
+    for fname, factor in [("float", 0.37), ("tensor", torch.tensor([1.0 / 3.0]))]:
+        op = dist._make_nccl_premul_sum(factor)
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            key = f"{fname} {dtype}"
+            t = x.to(dtype)
+            r = t.clone()
+            dist.all_reduce(r, op=op)
+            out[f"{key} all_reduce"] = r
+            r = t.clone()
+            dist.reduce(r, dst=0, op=op)
+            out[f"{key} reduce"] = r if rank == 0 else None
+            inp, o = t.clone(), torch.empty(12 // world, dtype=dtype)
+            dist.reduce_scatter_tensor(o, inp, op=op)
+            out[f"{key} reduce_scatter_tensor"], out[f"{key} its input"] = o, inp
+            o = torch.empty(12 // world, dtype=dtype)
+            dist.reduce_scatter(o, list(t.clone().chunk(world)), op=op)
+            out[f"{key} reduce_scatter"] = o
+            pair = [t[:5].clone(), t[5:].clone()]
+            dist.all_reduce_coalesced(pair, op=op)
+            out[f"{key} all_reduce_coalesced"] = torch.cat(pair)
+    try:
+        dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))
+        out["int"] = "no error"
+    except Exception as e:  # the type is what the test checks
+        out["int"] = f"{type(e).__name__}: {e}"
+    after = torch.full((2,), float(rank))
+    dist.all_reduce(after)  # the group still works after the refused call
+    out["after"] = after
     dist.destroy_process_group()
     return out
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .. import _core
 from ..group import Group, Work
 from ..settings import Settings
+from ._reduce_op import Reduction, reduction
 from ._sparse import SparseGather, start_sparse_all_reduce
 from ._staging import Staged, stage
 
@@ -196,13 +197,9 @@ class MCPWork(dist._Work):
         return self._result
 
 
-def _op(reduce_op: Any) -> str:
-    """torch ReduceOp → our op name."""
-    op = getattr(reduce_op, "op", reduce_op)
-    name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
-    # The core knows torch's names, and refuses the ones it cannot reduce (PREMUL_SUM) with
-    # a ValueError naming them.
-    return name
+def _reduction(opts: Any) -> Reduction:
+    """The reduction an options object asks for (``SUM`` without one)."""
+    return reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
 
 
 def _is_local(ip: str) -> bool:
@@ -415,19 +412,27 @@ class MCPProcessGroup(dist.ProcessGroup):
     # ---- collectives ----------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        red = _reduction(opts)
         if any(t.is_sparse for t in tensors):
-            return self._sparse_allreduce(tensors, op)
+            return self._sparse_allreduce(tensors, red)
         staged = [stage(t) for t in tensors]
-        return self._work(
-            lambda: [self._mcp.all_reduce(s.host, op=op, async_op=True) for s in staged],
-            tensors,
-            staged,
-        )
 
-    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str) -> MCPWork:
+        def start() -> list[Work | None]:
+            for s in staged:
+                red.premultiply_(s.host)  # the result overwrites it
+            return [self._mcp.all_reduce(s.host, op=red.op, async_op=True) for s in staged]
+
+        return self._work(start, tensors, staged)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], red: Reduction) -> MCPWork:
         if not all(t.is_sparse for t in tensors):
             raise ValueError("all_reduce: a list of tensors mixes sparse and dense ones")
+        if red.factor is not None:
+            raise ValueError(
+                "PREMUL_SUM of sparse tensors is not supported: scale the tensor and reduce "
+                "with SUM"
+            )
+        op = red.op
         gathers: list[SparseGather] = []
 
         def start() -> list[Work | None]:
@@ -445,7 +450,7 @@ class MCPProcessGroup(dist.ProcessGroup):
         return self._work(start, tensors, after=after)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        red = _reduction(opts)
         flat = torch._utils._flatten_dense_tensors([t.detach().cpu() for t in tensors])
 
         def after() -> None:
@@ -453,9 +458,11 @@ class MCPProcessGroup(dist.ProcessGroup):
             for t, o in zip(tensors, outs, strict=True):
                 t.copy_(o)
 
-        return self._work(
-            lambda: [self._mcp.all_reduce(flat, op=op, async_op=True)], tensors, after=after
-        )
+        def start() -> list[Work | None]:
+            red.premultiply_(flat)  # a copy of the inputs
+            return [self._mcp.all_reduce(flat, op=red.op, async_op=True)]
+
+        return self._work(start, tensors, after=after)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         root = opts.rootRank
@@ -520,16 +527,18 @@ class MCPProcessGroup(dist.ProcessGroup):
     def reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any
     ) -> Any:
-        op = _op(opts.reduceOp)
+        red = _reduction(opts)
         pairs = []
         for out, ins in zip(output_tensors, input_lists, strict=True):
             flat = torch.cat([i.detach().cpu().reshape(-1) for i in ins])
             pairs.append((stage(out), flat))
-        return self._work(
-            lambda: [self._mcp.reduce_scatter(s.host, f, op=op, async_op=True) for s, f in pairs],
-            output_tensors,
-            [s for s, _ in pairs],
-        )
+
+        def start() -> list[Work | None]:
+            for _, f in pairs:
+                red.premultiply_(f)  # a copy of the inputs
+            return [self._mcp.reduce_scatter(s.host, f, op=red.op, async_op=True) for s, f in pairs]
+
+        return self._work(start, output_tensors, [s for s, _ in pairs])
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -539,12 +548,18 @@ class MCPProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        red = _reduction(opts)
         out = stage(output)
         src = input.detach().contiguous().cpu()
-        return self._work(
-            lambda: [self._mcp.reduce_scatter(out.host, src, op=op, async_op=True)], output, [out]
-        )
+
+        def start() -> list[Work | None]:
+            scaled = src
+            if red.factor is not None:
+                scaled = src.clone()  # src may be the caller's input, which must not change
+                red.premultiply_(scaled)
+            return [self._mcp.reduce_scatter(out.host, scaled, op=red.op, async_op=True)]
+
+        return self._work(start, output, [out])
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -555,7 +570,7 @@ class MCPProcessGroup(dist.ProcessGroup):
         return self._chain(works, outputs)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        op, root = _op(opts.reduceOp), opts.rootRank
+        red, root = _reduction(opts), opts.rootRank
         tmp = [t.detach().contiguous().cpu().clone() for t in tensors]
 
         def after() -> None:
@@ -563,11 +578,12 @@ class MCPProcessGroup(dist.ProcessGroup):
                 for t, r in zip(tensors, tmp, strict=True):
                     t.copy_(r)
 
-        return self._work(
-            lambda: [self._mcp.all_reduce(r, op=op, async_op=True) for r in tmp],
-            tensors,
-            after=after,
-        )
+        def start() -> list[Work | None]:
+            for r in tmp:
+                red.premultiply_(r)  # a copy of the inputs
+            return [self._mcp.all_reduce(r, op=red.op, async_op=True) for r in tmp]
+
+        return self._work(start, tensors, after=after)
 
     def gather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
