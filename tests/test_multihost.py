@@ -105,3 +105,48 @@ def test_ddp_across_two_namespaces_ends_with_identical_parameters(tmp_path: Path
     assert len(params[0]) > 0
     for r in range(1, 4):
         assert params[r] == params[0], f"rank {r}'s parameters differ from rank 0's"
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not _netns.available(), reason="needs root and iproute2 (ip netns)")
+def test_jumbo_frames_with_the_mtu_set(tmp_path: Path) -> None:
+    # A 9,000-byte link and mtu 8,972 in the transport config: quinn's segmentation-offload
+    # batches of such datagrams must fit one sendmsg (64 KiB). They did not (10 x 8,972), the
+    # kernel refused each full batch, quinn counted it as sent, and a 1 MiB all-reduce
+    # stalled until its timeout.
+    job = Path(__file__).with_name("jumbo_job.py")
+    with _netns.VethPair("jb") as net:
+        for ns, dev in zip(net.ns, net.dev, strict=True):
+            subprocess.run(
+                ["ip", "-n", ns, "link", "set", dev, "mtu", "9000"], check=True, timeout=10
+            )
+        procs = []
+        for rank in range(2):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": net.addr[0],
+                "MASTER_PORT": "29412",  # the namespaces are fresh: nothing else can hold it
+                "MCP_SECRET": "jumbo-test",
+                "OMP_NUM_THREADS": "1",
+            }
+            cmd = [sys.executable, str(job), str(tmp_path / f"rank{rank}.json")]
+            with open(tmp_path / f"rank{rank}.log", "wb") as log:
+                procs.append(net.popen(rank, cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + DEADLINE_S
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        problems = net.close()
+    for rank, rc in enumerate(codes):
+        log = (tmp_path / f"rank{rank}.log").read_text(errors="replace")[-3000:]
+        assert rc == 0, f"rank {rank} ended with {rc}\n{log}"
+    assert not problems, problems
+    for rank in range(2):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert all(out["ok"].values()), out
+        assert out["mtu"] == [8972], out  # the jumbo datagrams were in use

@@ -73,6 +73,9 @@ impl BoundSocket {
 
 /// QUIC's own floor for a path's UDP payload (quinn's default `min_mtu`).
 const QUIC_MIN_MTU: u16 = 1200;
+/// The largest UDP payload quinn's MTU discovery probes for unless told otherwise (its
+/// default `upper_bound`).
+const QUIC_DEFAULT_MAX_MTU: u16 = 1452;
 
 impl SocketFigures {
     /// The smallest UDP payload the connections of this socket may fall back to: the
@@ -85,6 +88,16 @@ impl SocketFigures {
             Some(m) => m.min(LONG_HEADER_MTU),
             None if self.loopback => LOOPBACK_MIN_MTU,
             None => QUIC_MIN_MTU,
+        }
+    }
+
+    /// The largest UDP payload the connections of this socket may send: the upper bound of
+    /// the MTU discovery that [`transport_config`] gives them.
+    pub(crate) fn max_datagram(&self, cfg: &QuicConfig) -> u16 {
+        match cfg.mtu {
+            Some(m) => m,
+            None if self.loopback => LOOPBACK_MTU,
+            None => QUIC_DEFAULT_MAX_MTU,
         }
     }
 }
@@ -266,12 +279,16 @@ pub(crate) fn bind_socket(addr: SocketAddr, is_master: bool) -> Result<BoundSock
     })
 }
 
-/// Makes the QUIC endpoint of a bound socket (accepting connections when `server` is set), through the fault injector when `chaos` is set.
+/// Makes the QUIC endpoint of a bound socket (accepting connections when `server` is set),
+/// through the fault injector when `chaos` is set. `max_datagram` is the largest UDP payload
+/// its connections may send ([`SocketFigures::max_datagram`]): segmentation-offload batches
+/// are sized to fit one `sendmsg` of such datagrams.
 pub(crate) fn endpoint(
     sock: BoundSocket,
     server: Option<quinn::ServerConfig>,
     chaos: Option<super::chaos::ChaosConfig>,
     kill: Arc<std::sync::atomic::AtomicBool>,
+    max_datagram: u16,
 ) -> Result<(Endpoint, Option<Arc<super::chaos::ChaosStats>>)> {
     let mut ep_cfg = EndpointConfig::default();
     ep_cfg
@@ -279,15 +296,18 @@ pub(crate) fn endpoint(
         .map_err(|e| Error::Io(format!("endpoint config: {e}")))?;
     let runtime =
         quinn::default_runtime().ok_or_else(|| Error::Io("no async runtime for QUIC".into()))?;
-    match chaos {
-        None => Ok((Endpoint::new(ep_cfg, server, sock.socket, runtime)?, None)),
+    let socket = runtime.wrap_udp_socket(sock.socket)?;
+    let (socket, stats): (Arc<dyn quinn::AsyncUdpSocket>, _) = match chaos {
+        None => (socket, None),
         Some(cfg) => {
-            let socket = super::chaos::ChaosSocket::wrap(sock.socket, cfg, kill)?;
-            let stats = socket.stats();
-            let ep = Endpoint::new_with_abstract_socket(ep_cfg, server, socket, runtime)?;
-            Ok((ep, Some(stats)))
+            let chaos = super::chaos::ChaosSocket::over(socket, cfg, kill)?;
+            let stats = chaos.stats();
+            (chaos, Some(stats))
         }
-    }
+    };
+    let socket = super::gso_limit::GsoLimit::over(socket, max_datagram);
+    let ep = Endpoint::new_with_abstract_socket(ep_cfg, server, socket, runtime)?;
+    Ok((ep, stats))
 }
 
 /// The local address the kernel would use to reach `target` (no packet is sent).
@@ -376,7 +396,8 @@ pub(crate) fn control_endpoint(
         None
     };
     let kill = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (endpoint, chaos) = endpoint(sock, server, chaos, kill.clone())?;
+    let max_datagram = sock.figures().max_datagram(&qc);
+    let (endpoint, chaos) = endpoint(sock, server, chaos, kill.clone(), max_datagram)?;
     Ok(ControlEndpoint {
         endpoint,
         client,

@@ -8,6 +8,7 @@ pub mod congestion;
 #[cfg(test)]
 mod congestion_two_way;
 pub(crate) mod endpoint;
+mod gso_limit;
 mod heartbeat;
 mod local;
 mod reconnect;
@@ -422,6 +423,7 @@ impl QuicTransport {
             Some(server_cfg.clone()),
             cfg.chaos,
             chaos_kill.clone(),
+            sock_figures.max_datagram(&cfg),
         )?;
         let corrupter = cfg.chaos.filter(|c| c.corrupt > 0.0).map(|c| {
             Mutex::new(<rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(
