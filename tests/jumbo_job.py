@@ -1,11 +1,13 @@
 """One rank of the jumbo-frame test: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the
-environment, ``mtu`` 8,972 in the transport config (a 9,000-byte link); all-reduces from a
-few KiB to 4 MiB, bit-exact against numpy; writes its results as JSON to argv[1]."""
+environment, on a 9,000-byte link, with ``mtu`` 8,972 in the transport config when argv[2]
+is "set" or left to MTU discovery; all-reduces from a few KiB to 4 MiB, bit-exact against
+numpy; writes its results as JSON to argv[1]."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -13,8 +15,14 @@ import mcp_fast as mcp
 
 
 def main() -> None:
-    with mcp.init(timeout=30, config={"mtu": 8972}) as g:
+    config = {"mtu": 8972} if sys.argv[2] == "set" else None
+    with mcp.init(timeout=30, config=config) as g:
         rank, world = g.rank, g.world_size
+        # Discovery probes a few round trips after the handshake: give it a bounded while.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(p.get("mtu") != 8972 for p in g.health()):
+            g.barrier()
+            time.sleep(0.02)
         ok = {}
         for n in [1_000, 16_000, 260_001, 1 << 20]:  # float32: 4 KB to 4 MiB
             a = np.arange(n, dtype=np.float32) * (rank + 1)

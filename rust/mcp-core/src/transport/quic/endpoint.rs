@@ -53,6 +53,8 @@ pub(crate) struct BoundSocket {
     /// Receive buffer in bytes as the kernel reports it (it counts its own overhead).
     recv_buffer: usize,
     loopback: bool,
+    /// How far MTU discovery may climb on the bound interface, when it has jumbo frames.
+    jumbo: Option<u16>,
 }
 
 impl BoundSocket {
@@ -67,6 +69,7 @@ impl BoundSocket {
         SocketFigures {
             window: self.window(),
             loopback: self.loopback,
+            jumbo: self.jumbo,
         }
     }
 }
@@ -97,7 +100,7 @@ impl SocketFigures {
         match cfg.mtu {
             Some(m) => m,
             None if self.loopback => LOOPBACK_MTU,
-            None => QUIC_DEFAULT_MAX_MTU,
+            None => self.jumbo.unwrap_or(QUIC_DEFAULT_MAX_MTU),
         }
     }
 }
@@ -110,6 +113,8 @@ pub(crate) struct SocketFigures {
     window: u32,
     /// Whether it is on a loopback interface.
     loopback: bool,
+    /// How far MTU discovery may climb on its interface, when that has jumbo frames.
+    jumbo: Option<u16>,
 }
 
 /// The transport configuration of a connection made once the path's round trip is known
@@ -183,6 +188,12 @@ pub(crate) fn transport_config(cfg: &QuicConfig, sock: SocketFigures) -> Result<
         t.initial_mtu(LOOPBACK_MIN_MTU.min(LONG_HEADER_MTU));
         t.min_mtu(LOOPBACK_MIN_MTU);
         t.enable_segmentation_offload(false);
+    } else if let (Some(ceiling), None) = (sock.jumbo, cfg.mtu) {
+        // Jumbo frames on our interface: discovery finds out whether the path carries them
+        // (probes that do not arrive cost nothing but the probe).
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(ceiling);
+        t.mtu_discovery_config(Some(mtu));
     }
     if let Some(m) = cfg.mtu {
         // A fixed size the path is known to carry (1440 inside containers): start there,
@@ -272,10 +283,13 @@ pub(crate) fn bind_socket(addr: SocketAddr, is_master: bool) -> Result<BoundSock
         }
     })?;
     let recv_buffer = socket.recv_buffer_size().unwrap_or(MIN_WINDOW as usize * 2);
+    let jumbo = super::link_mtu::interface_mtu(addr.ip())
+        .and_then(|mtu| super::link_mtu::discovery_ceiling(addr.ip(), mtu));
     Ok(BoundSocket {
         socket: socket.into(),
         recv_buffer,
         loopback: addr.ip().is_loopback(),
+        jumbo,
     })
 }
 
@@ -463,6 +477,7 @@ mod tests {
         let lan = SocketFigures {
             window: MIN_WINDOW,
             loopback: false,
+            jumbo: None,
         };
         let lo = SocketFigures {
             loopback: true,
@@ -478,6 +493,34 @@ mod tests {
         // Every configuration builds with that floor.
         for sock in [lan, lo] {
             assert!(transport_config(&cfg, sock).is_ok());
+        }
+    }
+
+    #[test]
+    fn the_largest_datagram_is_the_discovery_ceiling() {
+        let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
+        let mut cfg = QuicConfig::new(0, 2, addr);
+        let lan = SocketFigures {
+            window: MIN_WINDOW,
+            loopback: false,
+            jumbo: None,
+        };
+        let jumbo = SocketFigures {
+            jumbo: Some(8972),
+            ..lan
+        };
+        let lo = SocketFigures {
+            loopback: true,
+            ..lan
+        };
+        assert_eq!(lan.max_datagram(&cfg), 1452);
+        assert_eq!(jumbo.max_datagram(&cfg), 8972);
+        assert_eq!(lo.max_datagram(&cfg), LOOPBACK_MTU);
+        assert!(transport_config(&cfg, jumbo).is_ok());
+        // A configured size wins everywhere.
+        cfg.mtu = Some(1440);
+        for sock in [lan, jumbo, lo] {
+            assert_eq!(sock.max_datagram(&cfg), 1440);
         }
     }
 

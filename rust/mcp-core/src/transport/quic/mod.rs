@@ -10,6 +10,7 @@ mod congestion_two_way;
 pub(crate) mod endpoint;
 mod gso_limit;
 mod heartbeat;
+mod link_mtu;
 mod local;
 mod reconnect;
 mod rendezvous;
