@@ -18,11 +18,17 @@ def main() -> None:
     config = {"mtu": 8972} if sys.argv[2] == "set" else None
     with mcp.init(timeout=30, config=config) as g:
         rank, world = g.rank, g.world_size
-        # Discovery probes a few round trips after the handshake: give it a bounded while.
+        # Discovery probes a few round trips after the handshake: give it a bounded while,
+        # every rank deciding alike (from all-reduced flags) when to stop waiting.
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(p.get("mtu") != 8972 for p in g.health()):
-            g.barrier()
-            time.sleep(0.02)
+        for _ in range(2_000):
+            reached = np.array([all(p.get("mtu") == 8972 for p in g.health())], np.int32)
+            expired = np.array([time.monotonic() > deadline], np.int32)
+            g.all_reduce(reached, op="min")
+            g.all_reduce(expired, op="max")
+            if reached[0] or expired[0]:
+                break
+            time.sleep(0.01)
         ok = {}
         for n in [1_000, 16_000, 260_001, 1 << 20]:  # float32: 4 KB to 4 MiB
             a = np.arange(n, dtype=np.float32) * (rank + 1)
