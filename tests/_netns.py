@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from typing import Any
 
 _CMD_TIMEOUT_S = 30
@@ -116,3 +117,16 @@ class VethPair:
             except (OSError, subprocess.TimeoutExpired) as e:
                 problems.append(f"could not delete {ns}: {e}")
         return problems
+
+
+def wait_all(procs: list[subprocess.Popen[Any]], within_s: float) -> list[int | None]:
+    """Each process's exit code, all waited for under one deadline ``within_s`` from now;
+    ``None`` for one still running at the deadline (``VethPair.close`` kills it)."""
+    deadline = time.monotonic() + within_s
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -65,13 +64,7 @@ def test_ddp_across_two_namespaces_ends_with_identical_parameters(tmp_path: Path
             with open(logs[i], "wb") as log:
                 cmd = _torchrun(net, i, out, run_id)
                 procs.append(net.popen(i, cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + DEADLINE_S
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        codes = _netns.wait_all(procs, DEADLINE_S)
         problems = net.close()
 
     def tail(i: int) -> str:
@@ -136,13 +129,7 @@ def test_jumbo_frames(mtu: str, tmp_path: Path) -> None:
             cmd = [sys.executable, str(job), str(tmp_path / f"rank{rank}.json"), mtu]
             with open(tmp_path / f"rank{rank}.log", "wb") as log:
                 procs.append(net.popen(rank, cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + DEADLINE_S
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        codes = _netns.wait_all(procs, DEADLINE_S)
         problems = net.close()
     for rank, rc in enumerate(codes):
         log = (tmp_path / f"rank{rank}.log").read_text(errors="replace")[-3000:]

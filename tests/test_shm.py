@@ -204,13 +204,7 @@ def test_two_namespace_hosts_of_two_ranks_each(tmp_path: Path) -> None:
             cmd = [sys.executable, str(job), str(tmp_path / f"rank{rank}.json")]
             with open(tmp_path / f"rank{rank}.log", "wb") as log:
                 procs.append(net.popen(node, cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 90
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        codes = _netns.wait_all(procs, 90)
         problems = net.close()
     for rank, rc in enumerate(codes):
         log = (tmp_path / f"rank{rank}.log").read_text(errors="replace")[-3000:]

@@ -470,15 +470,20 @@ mod tests {
         )
     }
 
+    /// An ordinary (not loopback, not jumbo) socket's figures.
+    fn lan_figures() -> SocketFigures {
+        SocketFigures {
+            window: MIN_WINDOW,
+            loopback: false,
+            jumbo: None,
+        }
+    }
+
     #[test]
     fn the_floor_mtu_is_the_min_mtu_the_connections_get() {
         let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
         let mut cfg = QuicConfig::new(0, 2, addr);
-        let lan = SocketFigures {
-            window: MIN_WINDOW,
-            loopback: false,
-            jumbo: None,
-        };
+        let lan = lan_figures();
         let lo = SocketFigures {
             loopback: true,
             ..lan
@@ -500,11 +505,7 @@ mod tests {
     fn the_largest_datagram_is_the_discovery_ceiling() {
         let addr: SocketAddr = "127.0.0.1:1".parse().expect("addr");
         let mut cfg = QuicConfig::new(0, 2, addr);
-        let lan = SocketFigures {
-            window: MIN_WINDOW,
-            loopback: false,
-            jumbo: None,
-        };
+        let lan = lan_figures();
         let jumbo = SocketFigures {
             jumbo: Some(8972),
             ..lan
