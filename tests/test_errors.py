@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,6 +206,24 @@ def test_closed_group_refuses_operations() -> None:
 def test_abort_cancels_an_operation_in_flight() -> None:
     elapsed, _ = ok(run("aborted", 2, timeout=60))
     assert elapsed < 1.0
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_ctrl_c_interrupts_an_operation_and_aborts_the_group(how: str, tmp_path: Path) -> None:
+    # Rank 1 never joins the all-reduce: without the interrupt it would run for its 120 s
+    # timeout. SIGINT is polled every 50 ms; 5 s is the bound under load.
+    rank0, rank1 = ok(run("interrupted", 2, how, str(tmp_path / "told"), timeout=90))
+    assert rank0["late"] < 5.0, rank0
+    assert rank0["then"] == "GroupClosedError", rank0
+    assert "KeyboardInterrupt interrupted an operation" in rank0["message"], rank0
+    assert rank0["told"], "rank 1 learnt nothing while rank 0 lived"
+    assert rank1 == {"error": "PeerLostError", "rank": 0}, rank1
+
+
+def test_ctrl_c_interrupts_the_rendezvous() -> None:
+    # Rank 0 of two waits for a rank that never starts (connect timeout 120 s).
+    (late,) = ok(run("interrupted_rendezvous", 1, timeout=90))
+    assert late < 5.0, late
 
 
 def test_a_late_rank_zero_is_reached_through_backoff() -> None:

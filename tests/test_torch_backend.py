@@ -260,6 +260,18 @@ def test_bitwise_ops_reduce_like_gloo_and_floats_are_refused() -> None:
         assert mcp[rank]["int PREMUL_SUM"].startswith("ValueError: PREMUL_SUM multiplies")
 
 
+def test_ctrl_c_interrupts_a_collective(tmp_path: Path) -> None:
+    # torch waits on the backend's work from C++: the KeyboardInterrupt must come through
+    # it (and through the work's future, which takes only Exceptions) within the 50 ms
+    # poll, bounded at 5 s under load, not after the 120 s timeout.
+    rank0, rank1 = ok(run("torch_workers.interrupted", 2, str(tmp_path / "told"), timeout=90))
+    assert rank0["late"] < 5.0, rank0
+    assert rank0["then"] == "GroupClosedError", rank0
+    assert "KeyboardInterrupt interrupted an operation" in rank0["message"], rank0
+    assert rank0["told"], "rank 1 learnt nothing while rank 0 lived"
+    assert rank1 == {"error": "PeerLostError", "rank": 0}, rank1
+
+
 def test_premul_sum_scales_each_ranks_tensor_before_the_sum() -> None:
     # NCCL's PREMUL_SUM, which FSDP2 reduce-scatters with after set_gradient_divide_factor
     # (Gloo refuses it): sum over ranks of (tensor x factor), the factor a float or a

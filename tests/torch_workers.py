@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import mcp_fast.torch  # noqa: F401  (registers "mcp" even where entry points are not installed)
+import mcp_fast
+import mcp_fast.torch  # registers "mcp" even where entry points are not installed
 
 
 def _init(backend: str = "mcp", timeout: float = 60) -> None:
@@ -911,3 +912,30 @@ def pipeline_train(rank: int, world: int, backend: str, schedule: str) -> dict[s
     out["ref_stage"] = [p.detach().clone() for p in alone[4 * rank : 4 * rank + 4].parameters()]
     out["ref_losses"] = [float(v) for v in ref_losses]
     return out
+
+
+def interrupted(rank: int, world: int, flag: str) -> dict[str, Any]:
+    """``workers.interrupted`` through ``dist.all_reduce`` and ``dist.recv`` on "mcp"."""
+    from workers import sigint_after, wait_for_file
+
+    _init(timeout=120)
+    if rank == 1:
+        try:
+            dist.recv(torch.zeros(4), src=0)
+        except mcp_fast.PeerLostError as e:
+            open(flag, "w").close()
+            return {"error": "PeerLostError", "rank": e.rank}
+        raise AssertionError("rank 0 sent nothing, yet the receive finished")
+    fires = sigint_after(1.0)
+    try:
+        dist.all_reduce(torch.ones(1 << 18))
+    except KeyboardInterrupt:
+        late = time.monotonic() - fires
+    else:
+        raise AssertionError("the all-reduce finished without rank 1")
+    try:
+        dist.barrier()
+    except mcp_fast.GroupClosedError as e:
+        told = wait_for_file(flag, 60)
+        return {"late": late, "then": "GroupClosedError", "message": str(e), "told": told}
+    raise AssertionError("the group still ran operations after the interrupt")

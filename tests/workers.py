@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -282,6 +283,71 @@ def aborted(rank: int, world: int) -> float:
     except mcp.GroupClosedError:
         return time.monotonic() - t0
     raise AssertionError("the aborted operation did not fail")
+
+
+def sigint_after(seconds: float) -> float:
+    """Sends this process SIGINT (what Ctrl-C sends) after ``seconds``, with Python's own
+    handler in place (a background job inherits SIGINT ignored); returns when it fires."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.daemon = True
+    timer.start()
+    return time.monotonic() + seconds
+
+
+def wait_for_file(path: str, within_s: float) -> bool:
+    """Whether ``path`` appears within ``within_s`` seconds."""
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        if os.path.exists(path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def interrupted(rank: int, world: int, how: str, flag: str) -> dict[str, Any]:
+    """Ctrl-C on rank 0 during an all-reduce that rank 1 never joins (it waits in a receive
+    from rank 0), called synchronously or waited on (``how``). Rank 0 reports how late the
+    KeyboardInterrupt came, what a later call raises, and whether rank 1's receive failed
+    while rank 0 still lived (rank 1 writes ``flag`` then): the abort, not the process's
+    exit, told it."""
+    g = mcp.init(timeout=120)
+    if rank == 1:
+        try:
+            g.recv(np.zeros(4, "float32"), src=0)
+        except mcp.PeerLostError as e:
+            open(flag, "w").close()
+            return {"error": "PeerLostError", "rank": e.rank}
+        raise AssertionError("rank 0 sent nothing, yet the receive finished")
+    a = np.ones(1 << 18, "float32")
+    fires = sigint_after(1.0)
+    try:
+        if how == "sync":
+            g.all_reduce(a)
+        else:
+            w = g.all_reduce(a, async_op=True)
+            assert w is not None
+            w.wait()
+    except KeyboardInterrupt:
+        late = time.monotonic() - fires
+    else:
+        raise AssertionError("the all-reduce finished without rank 1")
+    try:
+        g.barrier()
+    except mcp.GroupClosedError as e:
+        told = wait_for_file(flag, 60)
+        return {"late": late, "then": "GroupClosedError", "message": str(e), "told": told}
+    raise AssertionError("the group still ran operations after the interrupt")
+
+
+def interrupted_rendezvous(rank: int, world: int) -> float:
+    """Ctrl-C on rank 0 while it waits for a rank that never comes: how late it came."""
+    fires = sigint_after(1.0)
+    try:
+        mcp.init(world_size=2, timeout=120, connect_timeout=120)
+    except KeyboardInterrupt:
+        return time.monotonic() - fires
+    raise AssertionError("the group formed without rank 1")
 
 
 def late_master(rank: int, world: int, delay: float) -> float:

@@ -145,8 +145,20 @@ class MCPWork(dist._Work):
         try:
             if error is None:
                 self._future.set_result(self._result)
-            else:
+            elif isinstance(error, Exception):
                 self._future.set_exception(error)
+            else:
+                # A signal handler's KeyboardInterrupt (or SystemExit) aborted the group
+                # mid-operation: `wait()` raises it as it is; the future takes Exceptions
+                # only, so its callbacks see what became of the operation.
+                from ..errors import GroupClosedError
+
+                self._future.set_exception(
+                    GroupClosedError(
+                        f"the operation was interrupted ({type(error).__name__}) "
+                        "and its group aborted on this rank"
+                    )
+                )
         finally:
             self._done.set()
 

@@ -151,6 +151,8 @@ struct Inner<T: Transport> {
     send_seq: Vec<AtomicU64>,
     recv_seq: Vec<AtomicU64>,
     closed: AtomicBool,
+    /// Why the group was aborted, for the errors of later calls.
+    aborted_because: std::sync::OnceLock<String>,
     aborts_in_flight: AtomicUsize,
 }
 
@@ -183,6 +185,7 @@ impl<T: Transport> Group<T> {
                 send_seq: (0..w).map(|_| AtomicU64::new(0)).collect(),
                 recv_seq: (0..w).map(|_| AtomicU64::new(0)).collect(),
                 closed: AtomicBool::new(false),
+                aborted_because: std::sync::OnceLock::new(),
                 aborts_in_flight: AtomicUsize::new(0),
             }),
         }
@@ -254,9 +257,12 @@ impl<T: Transport> Group<T> {
 
     fn open(&self) -> Result<()> {
         if self.inner.closed.load(Ordering::Acquire) {
-            return Err(Error::Closed(
-                "the group was closed; create a new one".into(),
-            ));
+            let why = self
+                .inner
+                .aborted_because
+                .get()
+                .map_or("the group was closed", |w| w);
+            return Err(Error::Closed(format!("{why}; create a new one")));
         }
         Ok(())
     }
@@ -672,11 +678,14 @@ impl<T: Transport> Group<T> {
     /// the peers see it leave. For when a job must stop without waiting for a collective
     /// that will not finish.
     pub fn abort(&self) {
+        self.abort_because("the group was aborted");
+    }
+
+    /// [`Group::abort`], with the reason that its operations' errors and later calls give.
+    pub fn abort_because(&self, why: &str) {
+        let why = self.inner.aborted_because.get_or_init(|| why.to_owned());
         self.inner.closed.store(true, Ordering::Release);
-        self.inner
-            .t
-            .mailbox()
-            .close(Error::Closed("the group was aborted".into()));
+        self.inner.t.mailbox().close(Error::Closed(why.clone()));
         self.inner.t.leave_now();
     }
 

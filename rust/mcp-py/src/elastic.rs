@@ -3,7 +3,7 @@
 
 use crate::errors::to_py;
 use crate::group::{resolve, seconds, ProcessGroup};
-use crate::runtime::runtime;
+use crate::runtime::{block_on_or_signal, runtime};
 use mcp_core::membership::client::{MemberClient, MemberConfig};
 use mcp_core::membership::coordinator::CoordinatorConfig;
 use mcp_core::membership::server::CoordinatorServer;
@@ -161,8 +161,7 @@ impl ElasticMember {
             connect_timeout: seconds("connect_timeout", connect_timeout)?,
         };
         let rt = runtime(py)?;
-        let client = py
-            .detach(|| rt.block_on(MemberClient::connect(cfg)))
+        let client = block_on_or_signal(py, rt, std::pin::pin!(MemberClient::connect(cfg)))?
             .map_err(|e| to_py(py, e))?;
         Ok(ElasticMember {
             client,
@@ -197,9 +196,12 @@ impl ElasticMember {
     ) -> PyResult<Bound<'py, PyDict>> {
         let timeout = seconds("timeout", timeout)?;
         let rt = runtime(py)?;
-        let e = py
-            .detach(|| rt.block_on(self.client.report(seen, step, timeout)))
-            .map_err(|e| to_py(py, e))?;
+        let e = block_on_or_signal(
+            py,
+            rt,
+            std::pin::pin!(self.client.report(seen, step, timeout)),
+        )?
+        .map_err(|e| to_py(py, e))?;
         epoch_dict(py, &e, Some(self.client.id()), &self.secret)
     }
 
@@ -214,8 +216,12 @@ impl ElasticMember {
         let addr = host_port(addr)?;
         let timeout = seconds("timeout", timeout)?;
         let rt = runtime(py)?;
-        py.detach(|| rt.block_on(self.client.publish_master(epoch, addr, timeout)))
-            .map_err(|e| to_py(py, e))
+        block_on_or_signal(
+            py,
+            rt,
+            std::pin::pin!(self.client.publish_master(epoch, addr, timeout)),
+        )?
+        .map_err(|e| to_py(py, e))
     }
 
     /// As `publish_master`, without waiting (for the group's `on_bound` callback, which runs
@@ -236,7 +242,7 @@ impl ElasticMember {
     fn master(&self, py: Python<'_>, epoch: u64, timeout: f64) -> PyResult<Option<String>> {
         let timeout = seconds("timeout", timeout)?;
         let rt = runtime(py)?;
-        py.detach(|| rt.block_on(self.client.master(epoch, timeout)))
+        block_on_or_signal(py, rt, std::pin::pin!(self.client.master(epoch, timeout)))?
             .map_err(|e| to_py(py, e))
     }
 

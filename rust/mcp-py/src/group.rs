@@ -3,7 +3,7 @@
 //! has finished, so the memory stays valid even if the caller drops its handle.
 
 use crate::errors::to_py;
-use crate::runtime::runtime;
+use crate::runtime::{block_on_or_signal, runtime};
 use crate::tensor_arg::{release_later, release_now, release_pending, Access, TensorArg};
 use crate::work::{Work, WorkState};
 use mcp_core::transport::quic::{LanePolicy, QuicConfig, QuicTransport};
@@ -122,9 +122,17 @@ impl ProcessGroup {
         if wait {
             // The operation's sequence number was taken when it was built, so operations
             // started earlier with `async_op=True` keep their order on every rank.
-            let r = py.detach(|| rt.block_on(op));
-            state.complete(r);
-            release_now(py, args);
+            let mut op = op;
+            match block_on_or_signal(py, rt, op.as_mut()) {
+                Ok(r) => {
+                    state.complete(r);
+                    release_now(py, args);
+                }
+                Err(interrupt) => {
+                    self.abandon(py, &interrupt, op, args)?;
+                    return Err(interrupt);
+                }
+            }
         } else {
             let done = state.clone();
             rt.spawn(async move {
@@ -139,9 +147,53 @@ impl ProcessGroup {
             state,
             op: name,
             source: None,
+            abort_on_signal: Some(self.group.clone()),
         })
     }
+
+    /// A signal handler raised (Ctrl-C) while `op` ran on the calling thread. The ranks can
+    /// no longer agree on what this rank has done, so the group is aborted: `op` stops at
+    /// once, the peers see this rank leave (a `PeerLostError` naming it, not a timeout),
+    /// and later calls raise `GroupClosedError`. The buffers are released once `op` has
+    /// let go of them.
+    fn abandon(
+        &self,
+        py: Python<'_>,
+        interrupt: &PyErr,
+        mut op: OpFuture,
+        args: Vec<TensorArg>,
+    ) -> PyResult<()> {
+        abort_for(py, &self.group, interrupt);
+        let rt = runtime(py)?;
+        let stopped = py
+            .detach(|| rt.block_on(async { tokio::time::timeout(ABANDON_WAIT, op.as_mut()).await }))
+            .is_ok();
+        if stopped {
+            release_now(py, args);
+        } else {
+            rt.spawn(async move {
+                let _ = op.await;
+                release_later(args);
+            });
+        }
+        Ok(())
+    }
 }
+
+/// Aborts `group` because a signal handler raised `interrupt` during one of its operations.
+pub(crate) fn abort_for(py: Python<'_>, group: &Group<QuicTransport>, interrupt: &PyErr) {
+    let name = interrupt
+        .get_type(py)
+        .name()
+        .map_or_else(|_| "an exception".to_owned(), |n| n.to_string());
+    group.abort_because(&format!(
+        "the group was aborted because {name} interrupted an operation on this rank"
+    ));
+}
+
+/// How long an interrupted operation may take to stop after its group was aborted before
+/// the exception goes on without it (it ends with `Closed` at its next await).
+pub(crate) const ABANDON_WAIT: Duration = Duration::from_secs(2);
 
 #[pymethods]
 impl ProcessGroup {
@@ -247,22 +299,21 @@ impl ProcessGroup {
         // In an elastic job, the rendezvous of an epoch gives up as soon as the coordinator
         // says the epoch is over (a member died before it joined).
         let ended = epoch_of.map(|(m, e)| (m.client().clone(), e));
-        let t = py
-            .detach(|| {
-                rt.block_on(async move {
-                    let connect = QuicTransport::connect_with(cfg, publish);
-                    match ended {
-                        None => connect.await,
-                        Some((client, epoch)) => tokio::select! {
-                            r = connect => r,
-                            () = client.ended(epoch) => Err(Error::Closed(format!(
-                                "epoch {epoch} ended before its group formed"
-                            ))),
-                        },
-                    }
-                })
-            })
-            .map_err(|e| to_py(py, e))?;
+        let rendezvous = std::pin::pin!(async move {
+            let connect = QuicTransport::connect_with(cfg, publish);
+            match ended {
+                None => connect.await,
+                Some((client, epoch)) => tokio::select! {
+                    r = connect => r,
+                    () = client.ended(epoch) => Err(Error::Closed(format!(
+                        "epoch {epoch} ended before its group formed"
+                    ))),
+                },
+            }
+        });
+        // Ctrl-C while waiting for ranks that have not come drops the rendezvous (and its
+        // socket) and raises at once.
+        let t = block_on_or_signal(py, rt, rendezvous)?.map_err(|e| to_py(py, e))?;
         // Which ranks share a host, as the rendezvous found it: the collectives go
         // hierarchical on a job of several hosts with several ranks on one.
         let topology = Topology::from_host_of_rank(t.host_of_rank()).map_err(|e| to_py(py, e))?;

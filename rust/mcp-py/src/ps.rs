@@ -3,7 +3,7 @@
 //! while the call runs; the GIL is released for the whole operation.
 
 use crate::errors::to_py;
-use crate::runtime::runtime;
+use crate::runtime::{block_on_or_signal, runtime};
 use crate::tensor_arg::{Access, TensorArg};
 use mcp_core::ps::optim::OptState;
 use mcp_core::ps::store::{Piece, PieceId};
@@ -338,8 +338,7 @@ impl PsWorker {
             chaos: self::chaos(chaos)?,
         };
         let rt = runtime(py)?;
-        let inner = py
-            .detach(|| rt.block_on(ps::PsClient::connect(cfg)))
+        let inner = block_on_or_signal(py, rt, std::pin::pin!(ps::PsClient::connect(cfg)))?
             .map_err(|e| to_py(py, e))?;
         Ok(PsWorker { inner })
     }
@@ -423,8 +422,7 @@ impl PsWorker {
     #[pyo3(signature = (staleness=None))]
     fn advance(&self, py: Python<'_>, staleness: Option<u64>) -> PyResult<(u64, Option<u64>)> {
         let (rt, c) = (runtime(py)?, self.inner.clone());
-        let r = py
-            .detach(|| rt.block_on(c.advance(staleness)))
+        let r = block_on_or_signal(py, rt, std::pin::pin!(c.advance(staleness)))?
             .map_err(|e| to_py(py, e))?;
         Ok((r.clock, r.min))
     }

@@ -1,7 +1,10 @@
 //! A handle on an operation running on the runtime: `wait()`, `is_completed()`, callbacks.
 
 use crate::errors::to_py;
-use mcp_core::Error;
+use crate::group::ABANDON_WAIT;
+use crate::runtime::SIGNAL_POLL;
+use mcp_core::transport::quic::QuicTransport;
+use mcp_core::{Error, Group};
 use pyo3::prelude::*;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -53,6 +56,42 @@ pub struct Work {
     pub(crate) op: &'static str,
     /// For a receive from any source: the rank it came from, once known.
     pub(crate) source: Option<Arc<std::sync::atomic::AtomicUsize>>,
+    /// The group to abort if a signal handler raises while `wait()` waits (see
+    /// `ProcessGroup::abandon`).
+    pub(crate) abort_on_signal: Option<Group<QuicTransport>>,
+}
+
+impl Work {
+    /// Waits up to `timeout` (None: until done) without the GIL, coming back to Python every
+    /// [`SIGNAL_POLL`] to run signal handlers. If one raises (Ctrl-C), the group is aborted,
+    /// as for a synchronous call, and its exception is returned.
+    fn wait_or_signal(
+        &self,
+        py: Python<'_>,
+        timeout: Option<Duration>,
+    ) -> PyResult<Option<Result<(), Error>>> {
+        let until = timeout.map(|t| Instant::now() + t);
+        loop {
+            let slice = until.map_or(SIGNAL_POLL, |u| {
+                SIGNAL_POLL.min(u.saturating_duration_since(Instant::now()))
+            });
+            let state = self.state.clone();
+            if let Some(r) = py.detach(move || state.wait(Some(slice))) {
+                return Ok(Some(r));
+            }
+            if until.is_some_and(|u| Instant::now() >= u) {
+                return Ok(None);
+            }
+            if let Err(interrupt) = py.check_signals() {
+                if let Some(g) = &self.abort_on_signal {
+                    crate::group::abort_for(py, g, &interrupt);
+                    let state = self.state.clone();
+                    py.detach(move || state.wait(Some(ABANDON_WAIT)));
+                }
+                return Err(interrupt);
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -70,9 +109,9 @@ impl Work {
             Some(s) => Some(Duration::from_secs_f64(s)),
             None => None,
         };
-        let state = self.state.clone();
-        let result = py.detach(move || state.wait(t));
+        let result = self.wait_or_signal(py, t);
         crate::tensor_arg::release_pending(py);
+        let result = result?;
         match result {
             Some(Ok(())) => Ok(true),
             Some(Err(e)) => Err(to_py(py, e)),

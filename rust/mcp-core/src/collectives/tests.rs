@@ -595,6 +595,18 @@ async fn abort_cancels_an_operation_in_flight_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_calls_on_an_aborted_group_say_why_it_was_aborted() {
+    let ts = network(2, None);
+    let g = Group::new(ts[0].clone(), cfg());
+    g.abort_because("interrupted by Ctrl-C");
+    match g.barrier() {
+        Err(Error::Closed(m)) => assert!(m.starts_with("interrupted by Ctrl-C"), "{m}"),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("an aborted group started an operation"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_never_comes_is_a_timeout_for_everyone_else() {
     let mut c = cfg();
     c.timeout = Duration::from_millis(300);
