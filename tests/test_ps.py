@@ -469,6 +469,34 @@ def _collect(q: Any, tags: set[str], timeout: float) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["advance", "step_with_arrays"])
+def test_ctrl_c_interrupts_a_step_waiting_under_the_staleness_bound(fused: bool) -> None:
+    # Worker 1 registers and never steps: without the interrupt, worker 0 would wait for its
+    # 60 s timeout. The fused step holds the caller's arrays: it must end before raising.
+    a = addr()
+    srv = ps.Server(a, secret=SECRET, staleness=0, num_workers=2, lr=0.01)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=ps_workers.interrupted_step, args=(q, a, SECRET, fused))
+    p.start()
+    slow = None
+    try:
+        # Registration waits for both workers.
+        slow = ps.Worker([a], 1, secret=SECRET, timeout=60)
+        slow.init(ps_workers.init_params())
+        res = _collect(q, {"w0"}, timeout=60)["w0"]
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+        if slow is not None:
+            slow.close()
+        srv.close()
+    assert res["late"] < 5.0, res
+    assert res["then"] == "GroupClosedError" and "closed" in res["message"], res
+
+
 def test_a_killed_worker_is_dropped_the_others_go_on_and_it_rejoins() -> None:
     s, dead_after, steps = 1, 1.0, 60
     a = addr()

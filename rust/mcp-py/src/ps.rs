@@ -304,6 +304,38 @@ pub struct PsWorker {
     inner: Arc<ps::PsClient>,
 }
 
+/// Runs a request of this worker (a transfer between the servers and the caller's arrays,
+/// or a wait under the staleness bound) until it ends, returning to Python every
+/// [`crate::runtime::SIGNAL_POLL`] to run signal handlers. If one raises (Ctrl-C), the
+/// worker is closed, which fails every request in flight at once (the servers may have
+/// taken part of it: the worker's clock would no longer be known), and the request is
+/// driven to its end before the exception is raised: a transfer's tasks write into (or
+/// read from) the arrays, which the caller may free as soon as this returns.
+fn transfer<F>(
+    py: Python<'_>,
+    rt: &tokio::runtime::Runtime,
+    c: &Arc<ps::PsClient>,
+    fut: F,
+) -> PyResult<F::Output>
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    let mut fut = std::pin::pin!(fut);
+    match block_on_or_signal(py, rt, fut.as_mut()) {
+        Ok(out) => Ok(out),
+        Err(interrupt) => {
+            py.detach(|| {
+                rt.block_on(async {
+                    c.close().await;
+                    fut.as_mut().await
+                })
+            });
+            Err(interrupt)
+        }
+    }
+}
+
 #[pymethods]
 impl PsWorker {
     /// Connects to every server and registers (waits for the other workers at start).
@@ -405,16 +437,14 @@ impl PsWorker {
         let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
         let (_held, items) = bufs(&self.inner, items, Access::Read, "push")?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
-        py.detach(|| rt.block_on(c.push_all(items, codec)))
-            .map_err(|e| to_py(py, e))
+        transfer(py, rt, &c, c.push_all(items, codec))?.map_err(|e| to_py(py, e))
     }
 
     /// Pulls parameters into the buffers; returns the oldest applied clock among them.
     fn pull(&self, py: Python<'_>, items: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<u64> {
         let (_held, items) = bufs(&self.inner, items, Access::Write, "pull into")?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
-        py.detach(|| rt.block_on(c.pull_all(items)))
-            .map_err(|e| to_py(py, e))
+        transfer(py, rt, &c, c.pull_all(items))?.map_err(|e| to_py(py, e))
     }
 
     /// Finishes the clock and waits under the staleness bound; returns (clock, slowest
@@ -422,8 +452,7 @@ impl PsWorker {
     #[pyo3(signature = (staleness=None))]
     fn advance(&self, py: Python<'_>, staleness: Option<u64>) -> PyResult<(u64, Option<u64>)> {
         let (rt, c) = (runtime(py)?, self.inner.clone());
-        let r = block_on_or_signal(py, rt, std::pin::pin!(c.advance(staleness)))?
-            .map_err(|e| to_py(py, e))?;
+        let r = transfer(py, rt, &c, c.advance(staleness))?.map_err(|e| to_py(py, e))?;
         Ok((r.clock, r.min))
     }
 
@@ -443,8 +472,7 @@ impl PsWorker {
         let (_held_grads, grads) = bufs(&self.inner, grads, Access::Read, "push")?;
         let (_held_into, into) = bufs(&self.inner, into, Access::Write, "pull into")?;
         let (rt, c) = (runtime(py)?, self.inner.clone());
-        let r = py
-            .detach(|| rt.block_on(c.step_all(grads, into, codec, staleness)))
+        let r = transfer(py, rt, &c, c.step_all(grads, into, codec, staleness))?
             .map_err(|e| to_py(py, e))?;
         Ok((r.clock, r.min))
     }
