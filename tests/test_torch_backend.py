@@ -272,6 +272,12 @@ def test_ctrl_c_interrupts_a_collective(tmp_path: Path) -> None:
     assert rank1 == {"error": "PeerLostError", "rank": 0}, rank1
 
 
+def test_ctrl_c_interrupts_a_rank_waiting_for_rank_zero_in_init() -> None:
+    # torch's store.get would block in C++ for the 120 s timeout.
+    _, late = ok(run("torch_workers.interrupted_init", 2, timeout=90))
+    assert late < 5.0, late
+
+
 def test_premul_sum_scales_each_ranks_tensor_before_the_sum() -> None:
     # NCCL's PREMUL_SUM, which FSDP2 reduce-scatters with after set_gradient_divide_factor
     # (Gloo refuses it): sum over ranks of (tensor x factor), the factor a float or a

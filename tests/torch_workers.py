@@ -939,3 +939,24 @@ def interrupted(rank: int, world: int, flag: str) -> dict[str, Any]:
         told = wait_for_file(flag, 60)
         return {"late": late, "then": "GroupClosedError", "message": str(e), "told": told}
     raise AssertionError("the group still ran operations after the interrupt")
+
+
+def interrupted_init(rank: int, world: int) -> float:
+    """Rank 1 waits in ``init_process_group("mcp")`` for a rank 0 that holds torch's store
+    but never starts the backend, and gets Ctrl-C: how late the KeyboardInterrupt came."""
+    from workers import sigint_after
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False)
+        store.wait(["done"], timedelta(seconds=60))
+        return 0.0
+    fires = sigint_after(2.0)
+    try:
+        _init(timeout=120)
+    except KeyboardInterrupt:
+        late = time.monotonic() - fires
+    else:
+        raise AssertionError("the group formed without rank 0's backend")
+    dist.TCPStore(host, port, world, is_master=False).set("done", "1")
+    return late

@@ -21,6 +21,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -315,7 +316,7 @@ class MCPProcessGroup(dist.ProcessGroup):
                 secret = secrets.token_hex(32)
                 store.set("mcp/secret", secret)
             else:
-                secret = store.get("mcp/secret").decode()
+                secret = _published(store, "mcp/secret", seconds).decode()
             settings = dataclasses.replace(settings, secret=secret.encode())
         kwargs: dict[str, Any] = {
             **settings.core_kwargs(),
@@ -343,7 +344,7 @@ class MCPProcessGroup(dist.ProcessGroup):
                 store.set("mcp/addr", f"error:{e}")
                 raise
         else:
-            addr = store.get("mcp/addr").decode()
+            addr = _published(store, "mcp/addr", seconds).decode()
             if addr.startswith("error:"):
                 raise ValueError(f"rank 0 could not start the mcp backend: {addr[6:]}")
             host, port = _split_addr(addr)
@@ -716,6 +717,25 @@ class MCPProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self._mcp.abort()  # in-flight operations fail at once
         self.shutdown()
+
+
+def _published(store: Any, key: str, seconds: float) -> bytes:
+    """What rank 0 publishes under ``key``, once it is there. ``store.get`` would block in
+    C++ until the store's timeout, deaf to Ctrl-C; ``check`` answers at once, so this waits
+    in Python, polling at most ten times a second per rank."""
+    deadline = time.monotonic() + seconds
+    pause = 0.005
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            from ..errors import MCPTimeoutError
+
+            raise MCPTimeoutError(
+                f"rank 0 published no {key!r} in torch's store within {seconds:g} s: is it "
+                "running, and did its init_process_group(backend='mcp') start?"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+    return bytes(store.get(key))
 
 
 def _split(t: torch.Tensor, sizes: list[int], w: int) -> list[torch.Tensor]:
