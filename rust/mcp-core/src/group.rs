@@ -169,6 +169,18 @@ impl<T: Transport> Clone for Group<T> {
     }
 }
 
+/// A handle on a group that does not keep it alive (see [`Group::downgrade`]).
+pub struct WeakGroup<T: Transport> {
+    inner: std::sync::Weak<Inner<T>>,
+}
+
+impl<T: Transport> WeakGroup<T> {
+    /// The group, if anything else still holds it.
+    pub fn upgrade(&self) -> Option<Group<T>> {
+        self.inner.upgrade().map(|inner| Group { inner })
+    }
+}
+
 /// A boxed operation, ready to be awaited or spawned.
 pub type OpFuture = std::pin::Pin<Box<dyn Future<Output = Result<()>> + Send + 'static>>;
 
@@ -188,6 +200,13 @@ impl<T: Transport> Group<T> {
                 aborted_because: std::sync::OnceLock::new(),
                 aborts_in_flight: AtomicUsize::new(0),
             }),
+        }
+    }
+
+    /// A handle that reaches this group while something else holds it.
+    pub fn downgrade(&self) -> WeakGroup<T> {
+        WeakGroup {
+            inner: Arc::downgrade(&self.inner),
         }
     }
 

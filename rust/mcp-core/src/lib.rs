@@ -32,5 +32,5 @@ pub mod wire;
 pub use buffer::RawBuf;
 pub use dtype::{DType, ReduceOp};
 pub use error::{Error, Result};
-pub use group::{Algorithm, Group, GroupConfig, OpFuture, Tensor};
+pub use group::{Algorithm, Group, GroupConfig, OpFuture, Tensor, WeakGroup};
 pub use topology::Topology;

@@ -147,7 +147,7 @@ impl ProcessGroup {
             state,
             op: name,
             source: None,
-            abort_on_signal: Some(self.group.clone()),
+            abort_on_signal: Some(self.group.downgrade()),
         })
     }
 

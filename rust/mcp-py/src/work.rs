@@ -4,7 +4,7 @@ use crate::errors::to_py;
 use crate::group::ABANDON_WAIT;
 use crate::runtime::SIGNAL_POLL;
 use mcp_core::transport::quic::QuicTransport;
-use mcp_core::{Error, Group};
+use mcp_core::{Error, WeakGroup};
 use pyo3::prelude::*;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -57,8 +57,8 @@ pub struct Work {
     /// For a receive from any source: the rank it came from, once known.
     pub(crate) source: Option<Arc<std::sync::atomic::AtomicUsize>>,
     /// The group to abort if a signal handler raises while `wait()` waits (see
-    /// `ProcessGroup::abandon`).
-    pub(crate) abort_on_signal: Option<Group<QuicTransport>>,
+    /// `ProcessGroup::abandon`); weak, so that a kept handle does not keep the group open.
+    pub(crate) abort_on_signal: Option<WeakGroup<QuicTransport>>,
 }
 
 impl Work {
@@ -83,8 +83,8 @@ impl Work {
                 return Ok(None);
             }
             if let Err(interrupt) = py.check_signals() {
-                if let Some(g) = &self.abort_on_signal {
-                    crate::group::abort_for(py, g, &interrupt);
+                if let Some(g) = self.abort_on_signal.as_ref().and_then(WeakGroup::upgrade) {
+                    crate::group::abort_for(py, &g, &interrupt);
                     let state = self.state.clone();
                     py.detach(move || state.wait(Some(ABANDON_WAIT)));
                 }
