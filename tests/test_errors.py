@@ -12,6 +12,7 @@ import mcp_fast as mcp
 from _launch import Failure, ok, run
 from mcp_fast import _core
 from mcp_fast._buffers import view
+from workers import check_interrupted
 
 
 @pytest.fixture(scope="module")
@@ -213,11 +214,7 @@ def test_ctrl_c_interrupts_an_operation_and_aborts_the_group(how: str, tmp_path:
     # Rank 1 never joins the all-reduce: without the interrupt it would run for its 120 s
     # timeout. SIGINT is polled every 50 ms; 5 s is the bound under load.
     rank0, rank1 = ok(run("interrupted", 2, how, str(tmp_path / "told"), timeout=90))
-    assert rank0["late"] < 5.0, rank0
-    assert rank0["then"] == "GroupClosedError", rank0
-    assert "KeyboardInterrupt interrupted an operation" in rank0["message"], rank0
-    assert rank0["told"], "rank 1 learnt nothing while rank 0 lived"
-    assert rank1 == {"error": "PeerLostError", "rank": 0}, rank1
+    check_interrupted(rank0, rank1)
 
 
 def test_ctrl_c_interrupts_the_rendezvous() -> None:

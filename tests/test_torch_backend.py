@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from _launch import Failure, ok, run  # noqa: E402
+from workers import check_interrupted  # noqa: E402
 
 
 def as_torch(obj):
@@ -265,11 +266,7 @@ def test_ctrl_c_interrupts_a_collective(tmp_path: Path) -> None:
     # it (and through the work's future, which takes only Exceptions) within the 50 ms
     # poll, bounded at 5 s under load, not after the 120 s timeout.
     rank0, rank1 = ok(run("torch_workers.interrupted", 2, str(tmp_path / "told"), timeout=90))
-    assert rank0["late"] < 5.0, rank0
-    assert rank0["then"] == "GroupClosedError", rank0
-    assert "KeyboardInterrupt interrupted an operation" in rank0["message"], rank0
-    assert rank0["told"], "rank 1 learnt nothing while rank 0 lived"
-    assert rank1 == {"error": "PeerLostError", "rank": 0}, rank1
+    check_interrupted(rank0, rank1)
 
 
 def test_ctrl_c_interrupts_a_rank_waiting_for_rank_zero_in_init() -> None:

@@ -295,6 +295,39 @@ def sigint_after(seconds: float) -> float:
     return time.monotonic() + seconds
 
 
+def seconds_to_interrupt(call: Any, what: str, after: float = 1.0) -> float:
+    """Runs ``call``, which must block, with Ctrl-C sent ``after`` seconds in: how late
+    after the signal the KeyboardInterrupt came."""
+    fires = sigint_after(after)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return time.monotonic() - fires
+    raise AssertionError(f"{what} finished without the interrupt")
+
+
+def refusal(call: Any, error: type[BaseException]) -> dict[str, str]:
+    """What ``call`` raised on a group or worker closed by an interrupt (it must raise
+    ``error``): its type name and message."""
+    try:
+        call()
+    except error as e:
+        return {"then": type(e).__name__, "message": str(e)}
+    raise AssertionError("it still ran operations after the interrupt")
+
+
+def check_interrupted(rank0: dict[str, Any], rank1: dict[str, Any]) -> None:
+    """The assertions on ``interrupted``'s results (mcp's API or torch's): rank 0's
+    KeyboardInterrupt came within 5 s of the signal (50 ms polls; 5 s is the bound under
+    load), its group then refused calls naming the interrupt, and rank 1's receive failed
+    naming rank 0 while rank 0 still lived."""
+    assert rank0["late"] < 5.0, rank0
+    assert rank0["then"] == "GroupClosedError", rank0
+    assert "KeyboardInterrupt interrupted an operation" in rank0["message"], rank0
+    assert rank0["told"], "rank 1 learnt nothing while rank 0 lived"
+    assert rank1 == {"error": "PeerLostError", "rank": 0}, rank1
+
+
 def wait_for_file(path: str, within_s: float) -> bool:
     """Whether ``path`` appears within ``within_s`` seconds."""
     until = time.monotonic() + within_s
@@ -320,34 +353,26 @@ def interrupted(rank: int, world: int, how: str, flag: str) -> dict[str, Any]:
             return {"error": "PeerLostError", "rank": e.rank}
         raise AssertionError("rank 0 sent nothing, yet the receive finished")
     a = np.ones(1 << 18, "float32")
-    fires = sigint_after(1.0)
-    try:
+
+    def all_reduce() -> None:
         if how == "sync":
             g.all_reduce(a)
         else:
             w = g.all_reduce(a, async_op=True)
             assert w is not None
             w.wait()
-    except KeyboardInterrupt:
-        late = time.monotonic() - fires
-    else:
-        raise AssertionError("the all-reduce finished without rank 1")
-    try:
-        g.barrier()
-    except mcp.GroupClosedError as e:
-        told = wait_for_file(flag, 60)
-        return {"late": late, "then": "GroupClosedError", "message": str(e), "told": told}
-    raise AssertionError("the group still ran operations after the interrupt")
+
+    late = seconds_to_interrupt(all_reduce, "the all-reduce without rank 1")
+    then = refusal(g.barrier, mcp.GroupClosedError)
+    return {"late": late, **then, "told": wait_for_file(flag, 60)}
 
 
 def interrupted_rendezvous(rank: int, world: int) -> float:
     """Ctrl-C on rank 0 while it waits for a rank that never comes: how late it came."""
-    fires = sigint_after(1.0)
-    try:
-        mcp.init(world_size=2, timeout=120, connect_timeout=120)
-    except KeyboardInterrupt:
-        return time.monotonic() - fires
-    raise AssertionError("the group formed without rank 1")
+    return seconds_to_interrupt(
+        lambda: mcp.init(world_size=2, timeout=120, connect_timeout=120),
+        "the rendezvous without rank 1",
+    )
 
 
 def late_master(rank: int, world: int, delay: float) -> float:
