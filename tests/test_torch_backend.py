@@ -190,6 +190,19 @@ def test_different_collectives_are_an_error_on_every_rank() -> None:
         assert isinstance(f, Failure) and "SpecMismatchError" in f.message, f
 
 
+def test_all_to_all_whose_part_for_itself_does_not_fit_is_refused_on_that_rank() -> None:
+    r0, r1 = as_torch(ok(run("torch_workers.all_to_all_misfit_for_itself", 2, timeout=90)))
+    # Rank 0's exchange was whole: rank 1 sent it its first two elements (10, 11).
+    torch.testing.assert_close(r0["a2a"], torch.tensor([0.0, 1.0, 10.0, 11.0]))
+    # Rank 1 is told what does not fit, after receiving rank 0's part (not its own).
+    assert r1["a2a"].startswith("ValueError: all_to_all on rank 1: the part this rank"), r1
+    assert "2 x torch.float32" in r1["a2a"] and "1 x torch.float32" in r1["a2a"], r1
+    torch.testing.assert_close(r1["received"], torch.tensor([2.0, 3.0, -1.0]))
+    # The group goes on.
+    for r in (r0, r1):
+        torch.testing.assert_close(r["next"], torch.tensor([3.0, 3.0]))
+
+
 def test_wrong_secret_is_an_authentication_error() -> None:
     ours, intruder = run("torch_workers.wrong_secret", 2, timeout=90)
     assert isinstance(intruder, Failure) and intruder.type == "AuthenticationError", intruder

@@ -305,6 +305,28 @@ def shape_mismatch(rank: int, world: int) -> None:
     dist.all_reduce(torch.zeros(10 + rank))
 
 
+def all_to_all_misfit_for_itself(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's split sizes disagree at its own index (it sends itself 2 elements and
+    expects 1); what it exchanges with rank 0 agrees. Returns each rank's output (or its
+    error) and the next all-reduce."""
+    _init(timeout=20)
+    out: dict[str, Any] = {}
+    inp = torch.arange(4, dtype=torch.float32) + 10 * rank
+    res = torch.full((4 if rank == 0 else 3,), -1.0)
+    splits_out = [2, 2] if rank == 0 else [2, 1]
+    try:
+        dist.all_to_all_single(res, inp, splits_out, [2, 2])
+        out["a2a"] = res
+    except ValueError as e:
+        out["a2a"] = f"ValueError: {e}"
+        out["received"] = res
+    t = torch.full((2,), rank + 1.0)
+    dist.all_reduce(t)
+    out["next"] = t
+    dist.destroy_process_group()
+    return out
+
+
 def wrong_secret(rank: int, world: int) -> None:
     """Rank 1 holds another job secret than rank 0: it must be refused at the handshake."""
     os.environ["MCP_SECRET"] = "the job's secret" if rank == 0 else "a guess"

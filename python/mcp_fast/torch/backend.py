@@ -649,20 +649,47 @@ class MCPProcessGroup(dist.ProcessGroup):
         src = input.detach().contiguous().cpu()
         outs = _split(out.host, output_split_sizes, w)
         ins = _split(src, input_split_sizes, w)
-        return self._work(lambda: self._exchange(outs, ins), output, [out])
+        return self._exchange_work(outs, ins, output, [out])
 
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any
     ) -> Any:
         staged = [stage(o) for o in output_tensors]
         ins = [i.detach().contiguous().cpu() for i in input_tensors]
-        return self._work(
-            lambda: self._exchange([s.host for s in staged], ins), output_tensors, staged
+        return self._exchange_work([s.host for s in staged], ins, output_tensors, staged)
+
+    def _exchange_work(
+        self,
+        outs: list[torch.Tensor],
+        ins: list[torch.Tensor],
+        result: Any,
+        staged: Sequence[Staged],
+    ) -> MCPWork:
+        """An all-to-all. A rank whose part for itself does not fit (its input and output
+        split sizes differ at its own index) still exchanges with the others, so that they
+        are not left waiting, and raises ``ValueError`` once that is done."""
+        me = self.rank()
+        mine, theirs = ins[me], outs[me]
+        if mine.numel() == theirs.numel() and mine.dtype == theirs.dtype:
+            return self._work(lambda: self._exchange(outs, ins), result, staged)
+        error = ValueError(
+            f"all_to_all on rank {me}: the part this rank sends itself "
+            f"({mine.numel()} x {mine.dtype}) does not fit the part it receives from itself "
+            f"({theirs.numel()} x {theirs.dtype}); make the input and output split sizes (or "
+            f"the tensors at index {me}) agree. The exchange with the other ranks went ahead."
         )
 
-    def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> list[Work | None]:
+        def refuse() -> None:
+            raise error
+
+        return self._work(lambda: self._exchange(outs, ins, itself=False), result, staged, refuse)
+
+    def _exchange(
+        self, outs: list[torch.Tensor], ins: list[torch.Tensor], itself: bool = True
+    ) -> list[Work | None]:
         me, w = self.rank(), self.size()
-        outs[me].copy_(ins[me])
+        if itself:
+            outs[me].copy_(ins[me])
         works: list[Work | None] = []
         # Send to the next ranks in ring order and receive from the previous, so that every
         # pair's send is matched by the peer's receive in the same order.
