@@ -6,7 +6,9 @@ forwarder (one-way delay, rate cap, random loss), 1 rank per host, in the same r
 
 For each loss rate, ``mcp-chaos --hosts 2`` runs one worker per host; each worker times a
 16 MiB float32 all-reduce (``--mib``) over Gloo and over mcp_fast alternately, ``--iters``
-times each after a small warm-up, and rank 0 prints the medians beside the path's limit
+times each after a small warm-up (one 4 KiB operation each, then ``--warmup`` untimed
+operations of the full size, as nccl-tests' ``-w``: a training job's first steps, in which the
+congestion controllers learn the path), and rank 0 prints the medians beside the path's limit
 (bytes / rate + 2 x one-way delay). ``--stream`` instead times one TCP stream for 3 s through
 the forwarder (no delay, no loss, no cap) and over a plain veth pair beside it.
 """
@@ -62,13 +64,14 @@ def worker(args: argparse.Namespace) -> None:
     timing: dict[str, list[float]] = {"gloo": [], "mcp": []}
     for fn in runners.values():
         fn(small)  # connections up
-    for _ in range(args.iters):
+    for i in range(args.warmup + args.iters):
         for name, fn in runners.items():
             t.fill_(1.0)
             barriers[name]()
             t0 = time.perf_counter()
             fn(t)
-            timing[name].append(time.perf_counter() - t0)
+            if i >= args.warmup:
+                timing[name].append(time.perf_counter() - t0)
             assert float(t[0]) == 2.0 and float(t[-1]) == 2.0, name
     g.close()
     dist.destroy_process_group()
@@ -143,6 +146,9 @@ def main() -> None:
     p.add_argument("--loss", type=float, nargs="+", default=[0.0, 0.001, 0.01, 0.05])
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument(
+        "--warmup", type=int, default=0, help="untimed full-size operations per backend first"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1200, help="per loss rate, seconds")
     p.add_argument("--op-timeout", type=float, default=600, help="mcp_fast's, per operation")
@@ -169,7 +175,10 @@ def main() -> None:
         return
     nbytes = args.mib << 20
     limit = nbytes * 8 / bits_per_second(args.rate) + 2 * seconds_of(args.delay)
-    print(f"# path: {args.delay} each way, {args.rate}, TUN MTU 1500; {args.mib} MiB all-reduce")
+    print(
+        f"# path: {args.delay} each way, {args.rate}, TUN MTU 1500; {args.mib} MiB all-reduce, "
+        f"median of {args.iters} after {args.warmup} untimed"
+    )
     print("| loss | link limit | Gloo | mcp_fast | Gloo / mcp_fast |")
     print("|---|---|---|---|---|")
     for loss in args.loss:
@@ -192,6 +201,8 @@ def main() -> None:
             str(args.mib),
             "--iters",
             str(args.iters),
+            "--warmup",
+            str(args.warmup),
             "--op-timeout",
             str(args.op_timeout),
             timeout=args.timeout + 60,
