@@ -6,7 +6,7 @@
 //! other rank of the operation sees, so that no rank is left waiting.
 
 use crate::buffer::RawBuf;
-use crate::collectives::{self, OpCtx};
+use crate::collectives::{self, p2p_seq, OpCtx};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::topology::Topology;
@@ -660,7 +660,7 @@ impl<T: Transport> Group<T> {
                     })
                     .collect();
                 if let Some(k) = mb.first_arrived(&keys) {
-                    let n = k.seq & ((1 << 40) - 1);
+                    let (_, n) = collectives::p2p_parts(k.seq);
                     let counter = &g.inner.recv_seq[k.src];
                     if counter
                         .compare_exchange(n, n + 1, Ordering::AcqRel, Ordering::Acquire)
@@ -737,12 +737,6 @@ fn variant(hierarchical: bool, direct: bool) -> u32 {
         (false, true) => 2,
         (false, false) => 0,
     }
-}
-
-/// The sequence number of the `n`-th message from `sender` to one receiver: the sender is
-/// part of it so that the receiver's mailbox never confuses two senders' messages.
-fn p2p_seq(sender: usize, n: u64) -> u64 {
-    ((sender as u64) << 40) | (n & ((1 << 40) - 1))
 }
 
 /// The owned parts of an [`OpCtx`], moved into the operation's future.

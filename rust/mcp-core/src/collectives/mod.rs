@@ -311,8 +311,8 @@ impl<'a, T: Transport> OpCtx<'a, T> {
             return Ok(());
         }
         Err(Error::SpecMismatch(format!(
-            "operation #{} differs between ranks: rank {} called {} but rank {} called {}",
-            self.seq,
+            "{} differs between ranks: rank {} called {} but rank {} called {}",
+            op_label(self.kind, self.seq),
             h.src,
             describe(h.kind, &h.spec, h.aux),
             self.t.rank(),
@@ -323,13 +323,41 @@ impl<'a, T: Transport> OpCtx<'a, T> {
     fn timeout(&self, peer: usize, step: u32, chunk: usize, doing: &str) -> Error {
         Error::Timeout {
             what: format!(
-                "{} #{} on rank {}: {doing} rank {peer} (step {step}, chunk {chunk}); is that rank alive and calling the same operation?",
+                "{} {} on rank {}: {doing} rank {peer} (step {step}, chunk {chunk}); is that rank alive and calling the same operation?",
                 self.kind.op_name(),
-                self.seq,
+                op_label(self.kind, self.seq),
                 self.t.rank()
             ),
             after: self.timeout,
         }
+    }
+}
+
+/// Bits of a point-to-point sequence number that count the sender's messages.
+const P2P_COUNT_BITS: u32 = 40;
+
+/// The sequence number of the `n`-th message from `sender` to one receiver: the sender is
+/// part of it so that the receiver's mailbox never confuses two senders' messages.
+pub(crate) fn p2p_seq(sender: usize, n: u64) -> u64 {
+    ((sender as u64) << P2P_COUNT_BITS) | (n & ((1 << P2P_COUNT_BITS) - 1))
+}
+
+/// The sender and the message count of a [`p2p_seq`].
+pub(crate) fn p2p_parts(seq: u64) -> (usize, u64) {
+    (
+        (seq >> P2P_COUNT_BITS) as usize,
+        seq & ((1 << P2P_COUNT_BITS) - 1),
+    )
+}
+
+/// How messages name an operation: a collective by its number in the group, a
+/// point-to-point message by its number among those its sender sent the receiver.
+fn op_label(kind: FrameKind, seq: u64) -> String {
+    if kind == FrameKind::Send {
+        let (sender, n) = p2p_parts(seq);
+        format!("message #{n} from rank {sender}")
+    } else {
+        format!("operation #{seq}")
     }
 }
 

@@ -542,6 +542,46 @@ async fn spec_mismatch_fails_every_rank_and_names_both_specs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_of_another_size_is_a_mismatch_naming_it_by_sender_and_number() {
+    // Rank 0 sends two messages of 4 floats; rank 1 receives the first whole and the second
+    // into 3: the receiver names the second message as its sender numbered it.
+    let results = run_world(2, None, cfg(), |g, r| async move {
+        for (i, len) in [4u64, if r == 0 { 4 } else { 3 }].into_iter().enumerate() {
+            let shape = vec![len];
+            let mut buf = vec![0u8; len as usize * 4];
+            // SAFETY: `buf` outlives the awaited operation.
+            let t = Tensor {
+                buf: unsafe { RawBuf::from_slice(&mut buf) },
+                dtype: DType::F32,
+                shape: &shape,
+                codec: Codec::None,
+            };
+            let res = if r == 0 {
+                g.send(t, 1, 7)?.await
+            } else {
+                g.recv(t, 0, 7)?.await
+            };
+            if r == 1 && i == 1 {
+                return res;
+            }
+            res?;
+        }
+        Ok(())
+    })
+    .await;
+    assert!(results[0].is_ok(), "the sender is done: {:?}", results[0]);
+    match &results[1] {
+        Err(Error::SpecMismatch(m)) => assert!(
+            m.starts_with("message #1 from rank 0 differs between ranks")
+                && m.contains("float32[4]")
+                && m.contains("float32[3]"),
+            "{m}"
+        ),
+        other => panic!("rank 1 got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn different_collectives_on_different_ranks_are_a_mismatch() {
     let results = run_world(3, None, cfg(), |g, r| async move {
         let shape = vec![4u64];
