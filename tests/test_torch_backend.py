@@ -203,6 +203,19 @@ def test_all_to_all_whose_part_for_itself_does_not_fit_is_refused_on_that_rank()
         torch.testing.assert_close(r["next"], torch.tensor([3.0, 3.0]))
 
 
+def test_all_to_all_whose_tensor_for_itself_has_another_shape_is_refused_there() -> None:
+    # The same count in another shape: refused as a peer's part of that shape would be
+    # (Gloo refuses it too), after the exchange with the other rank, not before it.
+    res = as_torch(ok(run("torch_workers.all_to_all_list_misshaped_for_itself", 2, timeout=90)))
+    for rank, r in enumerate(res):
+        assert r["a2a"].startswith(f"ValueError: all_to_all on rank {rank}:"), r
+        assert "shape (3, 2)" in r["a2a"] and "shape (2, 3)" in r["a2a"], r
+        peer = 1 - rank
+        want = torch.arange(6.0).reshape(3, 2) + 10 * peer + 100 * rank
+        torch.testing.assert_close(r["from_peer"], want)
+        torch.testing.assert_close(r["next"], torch.tensor([3.0, 3.0]))
+
+
 def test_wrong_secret_is_an_authentication_error() -> None:
     ours, intruder = run("torch_workers.wrong_secret", 2, timeout=90)
     assert isinstance(intruder, Failure) and intruder.type == "AuthenticationError", intruder

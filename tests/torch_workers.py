@@ -327,6 +327,28 @@ def all_to_all_misfit_for_itself(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def all_to_all_list_misshaped_for_itself(rank: int, world: int) -> dict[str, Any]:
+    """The list form: each rank's output tensor for itself is 2 x 3, its input for itself
+    3 x 2 (the same count); the parts between the ranks agree. Returns the error, the part
+    received from the other rank and the next all-reduce."""
+    _init(timeout=20)
+    out: dict[str, Any] = {}
+    ins = [torch.arange(6.0).reshape(3, 2) + 10 * rank + 100 * i for i in range(world)]
+    outs = [torch.full((3, 2), -1.0) for _ in range(world)]
+    outs[rank] = torch.full((2, 3), -1.0)
+    try:
+        dist.all_to_all(outs, ins)
+        out["a2a"] = outs
+    except ValueError as e:
+        out["a2a"] = f"ValueError: {e}"
+        out["from_peer"] = outs[1 - rank]
+    t = torch.full((2,), rank + 1.0)
+    dist.all_reduce(t)
+    out["next"] = t
+    dist.destroy_process_group()
+    return out
+
+
 def wrong_secret(rank: int, world: int) -> None:
     """Rank 1 holds another job secret than rank 0: it must be refused at the handshake."""
     os.environ["MCP_SECRET"] = "the job's secret" if rank == 0 else "a guess"

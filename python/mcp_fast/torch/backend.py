@@ -666,17 +666,19 @@ class MCPProcessGroup(dist.ProcessGroup):
         staged: Sequence[Staged],
     ) -> MCPWork:
         """An all-to-all. A rank whose part for itself does not fit (its input and output
-        split sizes differ at its own index) still exchanges with the others, so that they
-        are not left waiting, and raises ``ValueError`` once that is done."""
+        split sizes, or tensors, differ at its own index) still exchanges with the others, so
+        that they are not left waiting, and raises ``ValueError`` once that is done. The part
+        must match as a peer's must: the same shape and dtype."""
         me = self.rank()
         mine, theirs = ins[me], outs[me]
-        if mine.numel() == theirs.numel() and mine.dtype == theirs.dtype:
+        if mine.shape == theirs.shape and mine.dtype == theirs.dtype:
             return self._work(lambda: self._exchange(outs, ins), result, staged)
         error = ValueError(
-            f"all_to_all on rank {me}: the part this rank sends itself "
-            f"({mine.numel()} x {mine.dtype}) does not fit the part it receives from itself "
-            f"({theirs.numel()} x {theirs.dtype}); make the input and output split sizes (or "
-            f"the tensors at index {me}) agree. The exchange with the other ranks went ahead."
+            f"all_to_all on rank {me}: the part this rank sends itself ({mine.numel()} x "
+            f"{mine.dtype}, shape {tuple(mine.shape)}) does not fit the part it receives from "
+            f"itself ({theirs.numel()} x {theirs.dtype}, shape {tuple(theirs.shape)}); make the "
+            f"input and output split sizes (or the tensors at index {me}) agree. The exchange "
+            "with the other ranks went ahead."
         )
 
         def refuse() -> None:
