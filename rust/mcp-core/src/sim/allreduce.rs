@@ -4,8 +4,9 @@
 //! Every rank holds `n` real `f32` elements (small integers, whose sum is exact in any order)
 //! and the network's `scale` makes them weigh `bytes` on the wire; with a codec the real
 //! encoded frames are scaled, so each codec's measured byte ratio is what the timing uses.
-//! Large buffers are pipelined in [`PIPELINE_CHUNKS`] chunks per segment at most, a coarser
-//! grain than a real run's 1 MiB chunks (documented in `docs/simulator.md`).
+//! Frames are cut at a real group's grain (its default `chunk_bytes`, 1 MiB of the full-size
+//! buffer), but a buffer into no more than [`PIPELINE_CHUNKS`] chunks: larger buffers are
+//! pipelined at a coarser grain than a real run's (documented in `docs/simulator.md`).
 //!
 //! [`Algorithm::Auto`] is resolved as a real group resolves it, on the full size: recursive
 //! doubling up to the default `small_bytes` (64 KiB), hierarchical when there is more than
@@ -21,7 +22,8 @@ use crate::transport::Transport;
 use crate::wire::Codec;
 use std::time::Duration;
 
-/// Chunks a whole-buffer step (tree, recursive doubling) is cut into for pipelining.
+/// Most chunks a whole-buffer step (tree, recursive doubling) is cut into for pipelining;
+/// a buffer of fewer real chunks is cut as a real group cuts it.
 pub const PIPELINE_CHUNKS: usize = 16;
 
 /// What one simulated all-reduce took and moved.
@@ -110,9 +112,14 @@ pub fn time_all_reduce(
     let n = ((bytes / 4.0).floor() as usize).clamp(1, (w * min_segment).max(256));
     let mut cfg = cfg.clone();
     cfg.scale = (bytes / (4.0 * n as f64)).max(1.0);
+    // A real group's chunk of the full-size buffer, in the elements that stand for it: a
+    // small buffer is as few frames as a real run sends (one, up to 1 MiB), and so pays the
+    // per-frame overhead as often.
+    let real_chunk = GroupConfig::default().chunk_bytes as f64 / (4.0 * cfg.scale);
+    let chunk_elems = (real_chunk.ceil() as usize).max(n.div_ceil(PIPELINE_CHUNKS));
     let group_cfg = GroupConfig {
         timeout,
-        chunk_bytes: (n.div_ceil(PIPELINE_CHUNKS) * 4).max(4),
+        chunk_bytes: chunk_elems.max(1) * 4,
         small_bytes: 0,
     };
     let (out, report) = simulate(&cfg, move |t| {

@@ -360,6 +360,31 @@ fn a_timed_all_reduce_follows_the_ring_formula_and_checks_its_result() {
 }
 
 #[test]
+fn a_simulated_all_reduce_cuts_its_frames_as_a_real_group_does_up_to_the_pipeline_limit() {
+    // Two ranks, one ring: each sends its half of the buffer in step one and the other half
+    // in step two, in chunks of a real group's 1 MiB. Up to 16 MiB that is exactly the real
+    // count of frames (each pays the per-frame overhead); beyond, the buffer is cut into
+    // PIPELINE_CHUNKS chunks, whatever its size.
+    let cfg = SimConfig::new(
+        2,
+        Topology::flat(LinkSpec::new(Duration::from_micros(30), 1e9)),
+    );
+    let mib = f64::from(1u32 << 20);
+    for (bytes, frames_per_rank_step) in [
+        (256.0 * 1024.0, 1),
+        (mib, 1),
+        (4.0 * mib, 2),
+        (16.0 * mib, 8),
+        (64.0 * mib, PIPELINE_CHUNKS as u64 / 2),
+        (1024.0 * mib, PIPELINE_CHUNKS as u64 / 2),
+    ] {
+        let t = timed(&cfg, Algorithm::Ring, bytes, Codec::None);
+        assert!(t.exact && t.ok_ranks == 2, "{t:?}");
+        assert_eq!(t.frames, 2 * 2 * frames_per_rank_step, "{bytes} bytes");
+    }
+}
+
+#[test]
 fn a_frames_software_overhead_delays_its_arrival_and_a_pipeline_pays_it_once() {
     // One step of recursive doubling between two ranks: every frame arrives `overhead`
     // later, so the whole operation ends exactly `overhead` later.
