@@ -1,7 +1,7 @@
 """Gloo vs mcp_fast all-reduce on a lossy link: same run, same link, same tensors.
 
     python benches/bench_loss.py [--worlds 2 4] [--mib 16 64] [--losses 0 0.05 0.2] [--rate 1gbit]
-                                 [--json docs/data/loss.json]
+                                 [--repeats 1] [--no-gloo] [--json docs/data/loss.json]
 
 Each link condition is a fresh network namespace made by ``mcp-chaos`` (needs root, iproute2,
 nftables): its loopback drops that share of packets, silently, on input (nftables
@@ -13,6 +13,12 @@ right values. Prints a Markdown table: median
 time per all-reduce, speed-up over Gloo, and each mcp lane's slow-down against itself on the
 clean link. ``--json FILE`` also writes every row (seconds per all-reduce) for
 ``benches/plots.py``.
+
+``--repeats R`` runs each link R times, each in a fresh namespace with fresh processes, and
+reports the median of the R runs' medians (each run's median is kept in the row's ``runs``):
+a median of one run's all-reduces leaves out how far whole runs differ, which on 2 shared
+cores is the larger spread. ``--no-gloo`` times mcp_fast alone: no Gloo group, and no TCP
+traffic of its own on the lossy link (Gloo at 20 % loss can take minutes per run).
 """
 
 from __future__ import annotations
@@ -48,9 +54,10 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, q:
     import mcp_fast as mcp
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world
-    )
+    if not args.no_gloo:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world
+        )
     groups = {}
     for i, lane in enumerate(args.lanes):
         os.environ["MCP_LANE"] = lane
@@ -63,7 +70,8 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, q:
         base = np.arange(n, dtype=np.float32) % 1024 + rank
         want = (np.arange(n, dtype=np.float32) % 1024) * world + world * (world - 1) / 2
         iters = args.iters if mib <= 16 else max(2, args.iters // 2)
-        times: dict[str, list[float]] = {"gloo": [], **{lane: [] for lane in groups}}
+        gloo: dict[str, list[float]] = {} if args.no_gloo else {"gloo": []}
+        times: dict[str, list[float]] = {**gloo, **{lane: [] for lane in groups}}
         t = torch.from_numpy(base.copy())
         a = base.copy()
         for it in range(iters + 1):  # the first round warms up
@@ -93,7 +101,8 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace, q:
             rows.append({"mib": mib, **{k: statistics.median(v) for k, v in times.items()}})
     for g in groups.values():
         g.close()
-    dist.destroy_process_group()
+    if not args.no_gloo:
+        dist.destroy_process_group()
     if rank == 0:
         q.put(rows)
 
@@ -122,12 +131,28 @@ def run_condition(args: argparse.Namespace, world: int, loss: float, rate: str |
     cmd += ["--", sys.executable, os.path.abspath(__file__), "--child", "--world", str(world)]
     cmd += ["--mib", *map(str, args.mib), "--iters", str(args.iters)]
     cmd += ["--lanes", *args.lanes, "--timeout", str(args.timeout)]
+    if args.no_gloo:
+        cmd.append("--no-gloo")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
     if r.returncode != 0 or not lines:
         sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
         raise SystemExit(f"run failed: world {world}, loss {loss}, rate {rate}: rc {r.returncode}")
     return json.loads(lines[-1])
+
+
+def repeated(args: argparse.Namespace, world: int, loss: float, rate: str | None) -> list[dict]:
+    """Each size's row: the median over ``--repeats`` fresh runs of each backend's median,
+    every run's median kept under ``runs``."""
+    runs = [run_condition(args, world, loss, rate) for _ in range(args.repeats)]
+    rows = []
+    for i, first in enumerate(runs[0]):
+        names = [k for k in first if k != "mib"]
+        per = {k: [run[i][k] for run in runs] for k in names}
+        rows.append({"mib": first["mib"], **{k: statistics.median(v) for k, v in per.items()}})
+        if args.repeats > 1:
+            rows[-1]["runs"] = per
+    return rows
 
 
 def main() -> None:
@@ -138,11 +163,15 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit", help="also run rate-capped ('' to skip)")
     p.add_argument("--lanes", nargs="+", default=["auto"], help="MCP_LANE of each mcp group")
     p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=1, help="fresh runs of each link (median)")
+    p.add_argument("--no-gloo", action="store_true", help="time mcp_fast alone")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", help="also write the rows to this file (for benches/plots.py)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.child:
         child(args)
         return
@@ -159,7 +188,7 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     todo = [(w, loss, rate) for w in args.worlds for loss, rate in conds]
     for world, loss, rate in tqdm(todo, desc="links", unit="link", file=sys.stderr):
-        for row in run_condition(args, world, loss, rate):
+        for row in repeated(args, world, loss, rate):
             records.append({"world": world, "loss": loss, "rate": rate, **row})
             key = (world, row["mib"], rate)
             if loss == 0:
@@ -168,13 +197,13 @@ def main() -> None:
             link = f"{loss:.0%} loss" + (f", {rate}" if rate else "")
             cells = " | ".join(f"{row[lane] * 1e3:.1f} ms" for lane in args.lanes)
             ratios = " | ".join(
-                f"{row['gloo'] / row[lane]:.2f}x | "
+                (f"{row['gloo'] / row[lane]:.2f}x | " if "gloo" in row else "- | ")
                 + (f"{row[lane] / base[lane]:.2f}x" if lane in base else "-")
                 for lane in args.lanes
             )
+            gloo_cell = f"{row['gloo'] * 1e3:.1f} ms" if "gloo" in row else "-"
             print(
-                f"| {link} | {world} | {row['mib']} MiB | {row['gloo'] * 1e3:.1f} ms "
-                f"| {cells} | {ratios} |",
+                f"| {link} | {world} | {row['mib']} MiB | {gloo_cell} | {cells} | {ratios} |",
                 flush=True,
             )
     if args.json:
@@ -184,6 +213,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "lanes": args.lanes,
             "iters": args.iters,
+            "repeats": args.repeats,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": records}, indent=1) + "\n")

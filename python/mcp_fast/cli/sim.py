@@ -584,11 +584,11 @@ def _predict(
     cores; QUIC frames cost both ends QUIC's and the collective's processor time per byte,
     shared-memory frames cost their receiver a copy at the measured bus bandwidth."""
     quic = cal.quic_cpu_ns + cal.app_cpu_ns
+    burst = 0.0
     if link == "loopback":
         gbps, rtt, quic = KERNEL_LINK_GBPS, cal.loopback_rtt_s, cal.loopback_cpu_ns
-    # tbf's bucket lets a burst through at the veth's own speed, then holds the rate.
-    burst = 0.0
-    if link == "veth_1g":
+    elif link == "veth_1g":
+        # tbf's bucket lets a burst through at the veth's own speed, then holds the rate.
         gbps, rtt, burst = cal.veth_1g_gbps, cal.veth_1g_rtt_s, cal.veth_1g_burst_bytes
     else:
         gbps, rtt = KERNEL_LINK_GBPS, cal.veth_rtt_s
