@@ -190,6 +190,18 @@ def test_different_collectives_are_an_error_on_every_rank() -> None:
         assert isinstance(f, Failure) and "SpecMismatchError" in f.message, f
 
 
+def test_all_to_all_whose_split_sizes_disagree_names_the_all_to_all_not_its_messages() -> None:
+    r0, r1 = as_torch(ok(run("torch_workers.all_to_all_splits_disagree", 2, timeout=90)))
+    # The receiver of the part that does not fit is told which collective and what to mend,
+    # with both sides' sizes, and not the backend's internal message tag.
+    msg = r1["a2a"]
+    assert msg.startswith("SpecMismatchError: all_to_all on rank 1: a part another rank"), msg
+    assert "float32[2]" in msg and "float32[3]" in msg and "tag=" not in msg, msg
+    # The group goes on: the next all-reduce is exact on both ranks.
+    for r in (r0, r1):
+        torch.testing.assert_close(r["next"], torch.tensor([3.0, 3.0]))
+
+
 def test_all_to_all_whose_part_for_itself_does_not_fit_is_refused_on_that_rank() -> None:
     r0, r1 = as_torch(ok(run("torch_workers.all_to_all_misfit_for_itself", 2, timeout=90)))
     # Rank 0's exchange was whole: rank 1 sent it its first two elements (10, 11).

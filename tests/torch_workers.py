@@ -327,6 +327,26 @@ def all_to_all_misfit_for_itself(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def all_to_all_splits_disagree(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 expects 3 elements from rank 0, which sends it 2; every other part agrees.
+    Returns each rank's outcome (its output, or its error's type and message) and the next
+    all-reduce."""
+    _init(timeout=20)
+    out: dict[str, Any] = {}
+    inp = torch.arange(4, dtype=torch.float32) + 10 * rank
+    res = torch.full((4 if rank == 0 else 5,), -1.0)
+    try:
+        dist.all_to_all_single(res, inp, [2, 2] if rank == 0 else [3, 2], [2, 2])
+        out["a2a"] = res
+    except Exception as e:
+        out["a2a"] = f"{type(e).__name__}: {e}"
+    t = torch.full((2,), rank + 1.0)
+    dist.all_reduce(t)
+    out["next"] = t
+    dist.destroy_process_group()
+    return out
+
+
 def all_to_all_list_misshaped_for_itself(rank: int, world: int) -> dict[str, Any]:
     """The list form: each rank's output tensor for itself is 2 x 3, its input for itself
     3 x 2 (the same count); the parts between the ranks agree. Returns the error, the part

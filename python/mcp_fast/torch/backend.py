@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
+from ..errors import SpecMismatchError
 from ..group import Group, Work
 from ..settings import Settings
 from ._reduce_op import Reduction, reduction
@@ -85,12 +86,14 @@ class MCPWork(dist._Work):
         works: Sequence[Any] = (),
         after: Callable[[], None] | None = None,
         cleanup: Callable[[], None] | None = None,
+        explain: Callable[[BaseException], BaseException] | None = None,
     ) -> None:
         super().__init__()
         self._result = result
         self._pool = pool
         self._after = after
         self._cleanup = cleanup
+        self._explain = explain
         self.works: list[Any] = list(works)
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -110,7 +113,7 @@ class MCPWork(dist._Work):
             for w in self.works:
                 w.wait()
         except BaseException as e:
-            error = e
+            error = e if self._explain is None else self._explain(e)
         if not self._settle_lock.acquire(blocking=blocking):
             return
         try:
@@ -363,9 +366,11 @@ class MCPProcessGroup(dist.ProcessGroup):
         result: Any,
         staged: Sequence[Staged] = (),
         after: Callable[[], None] | None = None,
+        explain: Callable[[BaseException], BaseException] | None = None,
     ) -> MCPWork:
         """Starts the operation now (so every rank issues it in call order) and returns its
-        work handle (see :class:`MCPWork`), which finishes with ``result``."""
+        work handle (see :class:`MCPWork`), which finishes with ``result``; ``explain``
+        rewrites an error of the core's operations (see :meth:`_parts_of`)."""
 
         def write_back() -> None:
             for s in staged:
@@ -382,7 +387,25 @@ class MCPProcessGroup(dist.ProcessGroup):
         except BaseException as e:
             release()
             raise e
-        return MCPWork(result, self._pool, works, write_back, release)
+        return MCPWork(result, self._pool, works, write_back, release, explain)
+
+    def _parts_of(self, op: str) -> Callable[[BaseException], BaseException]:
+        """For a collective built of point-to-point messages under the backend's own tag:
+        a mismatch of one of them names ``op`` and what disagrees, not the messages' tag."""
+        me = self.rank()
+
+        def explain(e: BaseException) -> BaseException:
+            if not isinstance(e, SpecMismatchError):
+                return e
+            detail = str(e).replace(f", tag={_A2A_TAG}", "")
+            err = SpecMismatchError(
+                f"{op} on rank {me}: a part another rank sent does not fit the part this rank "
+                f"expects from it; make the ranks' split sizes (or tensors) agree. {detail}"
+            )
+            err.__cause__ = e
+            return err
+
+        return explain
 
     # ---- identity -------------------------------------------------------------------------
 
@@ -624,7 +647,7 @@ class MCPProcessGroup(dist.ProcessGroup):
                     works.append(self._mcp.send(src, dst=r, tag=_A2A_TAG, async_op=True))
             return works
 
-        return self._work(start, output_tensors, [out])
+        return self._work(start, output_tensors, [out], explain=self._parts_of("scatter"))
 
     def alltoall_base(
         self,
@@ -672,7 +695,12 @@ class MCPProcessGroup(dist.ProcessGroup):
         me = self.rank()
         mine, theirs = ins[me], outs[me]
         if mine.shape == theirs.shape and mine.dtype == theirs.dtype:
-            return self._work(lambda: self._exchange(outs, ins), result, staged)
+            return self._work(
+                lambda: self._exchange(outs, ins),
+                result,
+                staged,
+                explain=self._parts_of("all_to_all"),
+            )
         error = ValueError(
             f"all_to_all on rank {me}: the part this rank sends itself ({mine.numel()} x "
             f"{mine.dtype}, shape {tuple(mine.shape)}) does not fit the part it receives from "
@@ -684,7 +712,13 @@ class MCPProcessGroup(dist.ProcessGroup):
         def refuse() -> None:
             raise error
 
-        return self._work(lambda: self._exchange(outs, ins, itself=False), result, staged, refuse)
+        return self._work(
+            lambda: self._exchange(outs, ins, itself=False),
+            result,
+            staged,
+            refuse,
+            self._parts_of("all_to_all"),
+        )
 
     def _exchange(
         self, outs: list[torch.Tensor], ins: list[torch.Tensor], itself: bool = True
