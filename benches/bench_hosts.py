@@ -1,12 +1,17 @@
 """mcp_fast vs Gloo across two "hosts": network namespaces joined by a veth pair (MTU 1500).
 
-    sudo python benches/bench_hosts.py [--per-host 1 2] [--rate 1gbit] [--max-mib 64]
+    sudo python benches/bench_hosts.py [--per-host 1 2] [--rate 1gbit] [--max-mib 64] [--runs 1]
 
 Creates the two namespaces itself (root and iproute2 needed), runs ``--per-host`` ranks in
 each, and times float32 all-reduce from 4 KiB to ``--max-mib`` MiB over Gloo and over
 mcp_fast alternately, in the same processes. ``--rate`` caps each direction of the veth
 with tbf (e.g. ``1gbit``); ``--mtu`` sets the veth MTU. Every namespace and process it made
 is removed on exit. ``--json OUT`` writes the rows for ``make plots``.
+
+Each size is timed ``--repeats`` times in the same processes and the fastest kept;
+``--runs R`` does all of that R times, each in fresh namespaces with fresh processes, and
+reports the median of the R runs (each run's figure is kept in the row's ``runs``): on 2
+shared cores whole runs differ more than the repeats within one.
 
 ``--limits`` first measures the path itself with ``rust/mcp-core/examples/link_limits.rs``
 (built with cargo if needed): raw UDP with GSO/GRO, a plain quinn bulk transfer on one
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -218,12 +224,27 @@ def run_one(per_host: int, args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"{world} ranks: rank 0 printed no result (exit {procs[0].returncode})")
 
 
+def median_of_runs(per_host: int, args: argparse.Namespace) -> list[dict]:
+    """Each size's row over ``--runs`` fresh runs: the median of each backend's figure, every
+    run's figure kept under ``runs``."""
+    runs = [run_one(per_host, args) for _ in range(args.runs)]
+    rows = []
+    for i, first in enumerate(runs[0]):
+        per = {k: [run[i][k] for run in runs] for k in ("gloo_s", "mcp_s")}
+        row = {"bytes": first["bytes"], **{k: statistics.median(v) for k, v in per.items()}}
+        if args.runs > 1:
+            row["runs"] = per
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--per-host", type=int, nargs="+", default=[1, 2])
     p.add_argument("--min-kib", type=int, default=4)
     p.add_argument("--max-mib", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--runs", type=int, default=1, help="fresh runs of everything (median)")
     p.add_argument("--rate", default="", help="tbf cap per direction, e.g. 1gbit")
     p.add_argument("--mtu", type=int, default=0, help="veth MTU (default: the kernel's 1500)")
     p.add_argument("--algorithm", default="auto")
@@ -237,6 +258,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     if os.geteuid() != 0:
         raise SystemExit("bench_hosts.py makes network namespaces: run it as root")
     cpu = platform.processor() or platform.machine()
@@ -265,7 +288,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     result = []
     for per_host in args.per_host:
-        for row in run_one(per_host, args):
+        for row in median_of_runs(per_host, args):
             tg, tm = row["gloo_s"], row["mcp_s"]
             print(
                 f"| {per_host} | {human(row['bytes'])} | {tg * 1e3:.2f} ms | {tm * 1e3:.2f} ms "

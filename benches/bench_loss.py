@@ -1,7 +1,7 @@
 """Gloo vs mcp_fast all-reduce on a lossy link: same run, same link, same tensors.
 
     python benches/bench_loss.py [--worlds 2 4] [--mib 16 64] [--losses 0 0.05 0.2] [--rate 1gbit]
-                                 [--repeats 1] [--no-gloo] [--json docs/data/loss.json]
+                                 [--runs 1] [--no-gloo] [--json docs/data/loss.json]
 
 Each link condition is a fresh network namespace made by ``mcp-chaos`` (needs root, iproute2,
 nftables): its loopback drops that share of packets, silently, on input (nftables
@@ -14,7 +14,7 @@ time per all-reduce, speed-up over Gloo, and each mcp lane's slow-down against i
 clean link. ``--json FILE`` also writes every row (seconds per all-reduce) for
 ``benches/plots.py``.
 
-``--repeats R`` runs each link R times, each in a fresh namespace with fresh processes, and
+``--runs R`` runs each link R times, each in a fresh namespace with fresh processes, and
 reports the median of the R runs' medians (each run's median is kept in the row's ``runs``):
 a median of one run's all-reduces leaves out how far whole runs differ, which on 2 shared
 cores is the larger spread. ``--no-gloo`` times mcp_fast alone: no Gloo group, and no TCP
@@ -142,15 +142,15 @@ def run_condition(args: argparse.Namespace, world: int, loss: float, rate: str |
 
 
 def repeated(args: argparse.Namespace, world: int, loss: float, rate: str | None) -> list[dict]:
-    """Each size's row: the median over ``--repeats`` fresh runs of each backend's median,
+    """Each size's row: the median over ``--runs`` fresh runs of each backend's median,
     every run's median kept under ``runs``."""
-    runs = [run_condition(args, world, loss, rate) for _ in range(args.repeats)]
+    runs = [run_condition(args, world, loss, rate) for _ in range(args.runs)]
     rows = []
     for i, first in enumerate(runs[0]):
         names = [k for k in first if k != "mib"]
         per = {k: [run[i][k] for run in runs] for k in names}
         rows.append({"mib": first["mib"], **{k: statistics.median(v) for k, v in per.items()}})
-        if args.repeats > 1:
+        if args.runs > 1:
             rows[-1]["runs"] = per
     return rows
 
@@ -163,15 +163,15 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit", help="also run rate-capped ('' to skip)")
     p.add_argument("--lanes", nargs="+", default=["auto"], help="MCP_LANE of each mcp group")
     p.add_argument("--iters", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=1, help="fresh runs of each link (median)")
+    p.add_argument("--runs", type=int, default=1, help="fresh runs of each link (median)")
     p.add_argument("--no-gloo", action="store_true", help="time mcp_fast alone")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", help="also write the rows to this file (for benches/plots.py)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     if args.child:
         child(args)
         return
@@ -213,7 +213,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "lanes": args.lanes,
             "iters": args.iters,
-            "repeats": args.repeats,
+            "runs": args.runs,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": records}, indent=1) + "\n")
