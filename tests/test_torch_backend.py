@@ -202,6 +202,16 @@ def test_all_to_all_whose_split_sizes_disagree_names_the_all_to_all_not_its_mess
         torch.testing.assert_close(r["next"], torch.tensor([3.0, 3.0]))
 
 
+def test_scatter_whose_sizes_disagree_names_the_scatter_on_the_rank_it_does_not_fit() -> None:
+    r0, r1 = as_torch(ok(run("torch_workers.scatter_sizes_disagree", 2, timeout=90)))
+    torch.testing.assert_close(r0["scatter"], torch.tensor([10.0, 10.0]))
+    msg = r1["scatter"]
+    assert msg.startswith("SpecMismatchError: scatter on rank 1: a part another rank"), msg
+    assert "float32[2]" in msg and "float32[3]" in msg and "tag=" not in msg, msg
+    for r in (r0, r1):
+        torch.testing.assert_close(r["next"], torch.tensor([3.0, 3.0]))
+
+
 def test_all_to_all_whose_part_for_itself_does_not_fit_is_refused_on_that_rank() -> None:
     r0, r1 = as_torch(ok(run("torch_workers.all_to_all_misfit_for_itself", 2, timeout=90)))
     # Rank 0's exchange was whole: rank 1 sent it its first two elements (10, 11).

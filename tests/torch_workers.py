@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -305,26 +306,35 @@ def shape_mismatch(rank: int, world: int) -> None:
     dist.all_reduce(torch.zeros(10 + rank))
 
 
-def all_to_all_misfit_for_itself(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1's split sizes disagree at its own index (it sends itself 2 elements and
-    expects 1); what it exchanges with rank 0 agrees. Returns each rank's output (or its
-    error) and the next all-reduce."""
-    _init(timeout=20)
-    out: dict[str, Any] = {}
-    inp = torch.arange(4, dtype=torch.float32) + 10 * rank
-    res = torch.full((4 if rank == 0 else 3,), -1.0)
-    splits_out = [2, 2] if rank == 0 else [2, 1]
+def _outcome(call: Callable[[], object], result: Any) -> Any:
+    """What a collective that may be refused gave: ``result`` once ``call`` returned, or its
+    error as "Type: message"."""
     try:
-        dist.all_to_all_single(res, inp, splits_out, [2, 2])
-        out["a2a"] = res
-    except ValueError as e:
-        out["a2a"] = f"ValueError: {e}"
-        out["received"] = res
+        call()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return result
+
+
+def _and_next_all_reduce(rank: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Adds one all-reduce after the collective (whether the group goes on) and leaves."""
     t = torch.full((2,), rank + 1.0)
     dist.all_reduce(t)
     out["next"] = t
     dist.destroy_process_group()
     return out
+
+
+def all_to_all_misfit_for_itself(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's split sizes disagree at its own index (it sends itself 2 elements and
+    expects 1); what it exchanges with rank 0 agrees. Returns each rank's output (or its
+    error), what it received, and the next all-reduce."""
+    _init(timeout=20)
+    inp = torch.arange(4, dtype=torch.float32) + 10 * rank
+    res = torch.full((4 if rank == 0 else 3,), -1.0)
+    splits_out = [2, 2] if rank == 0 else [2, 1]
+    a2a = _outcome(lambda: dist.all_to_all_single(res, inp, splits_out, [2, 2]), res)
+    return _and_next_all_reduce(rank, {"a2a": a2a, "received": res})
 
 
 def all_to_all_splits_disagree(rank: int, world: int) -> dict[str, Any]:
@@ -332,19 +342,21 @@ def all_to_all_splits_disagree(rank: int, world: int) -> dict[str, Any]:
     Returns each rank's outcome (its output, or its error's type and message) and the next
     all-reduce."""
     _init(timeout=20)
-    out: dict[str, Any] = {}
     inp = torch.arange(4, dtype=torch.float32) + 10 * rank
     res = torch.full((4 if rank == 0 else 5,), -1.0)
-    try:
-        dist.all_to_all_single(res, inp, [2, 2] if rank == 0 else [3, 2], [2, 2])
-        out["a2a"] = res
-    except Exception as e:
-        out["a2a"] = f"{type(e).__name__}: {e}"
-    t = torch.full((2,), rank + 1.0)
-    dist.all_reduce(t)
-    out["next"] = t
-    dist.destroy_process_group()
-    return out
+    splits_out = [2, 2] if rank == 0 else [3, 2]
+    a2a = _outcome(lambda: dist.all_to_all_single(res, inp, splits_out, [2, 2]), res)
+    return _and_next_all_reduce(rank, {"a2a": a2a})
+
+
+def scatter_sizes_disagree(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 scatters 2 elements to each rank; rank 1 expects 3. Returns each rank's
+    outcome (its output, or its error's type and message) and the next all-reduce."""
+    _init(timeout=20)
+    res = torch.full((2 if rank == 0 else 3,), -1.0)
+    parts = [torch.full((2,), 10.0 + r) for r in range(world)] if rank == 0 else None
+    got = _outcome(lambda: dist.scatter(res, parts, src=0), res)
+    return _and_next_all_reduce(rank, {"scatter": got})
 
 
 def all_to_all_list_misshaped_for_itself(rank: int, world: int) -> dict[str, Any]:
@@ -352,21 +364,11 @@ def all_to_all_list_misshaped_for_itself(rank: int, world: int) -> dict[str, Any
     3 x 2 (the same count); the parts between the ranks agree. Returns the error, the part
     received from the other rank and the next all-reduce."""
     _init(timeout=20)
-    out: dict[str, Any] = {}
     ins = [torch.arange(6.0).reshape(3, 2) + 10 * rank + 100 * i for i in range(world)]
     outs = [torch.full((3, 2), -1.0) for _ in range(world)]
     outs[rank] = torch.full((2, 3), -1.0)
-    try:
-        dist.all_to_all(outs, ins)
-        out["a2a"] = outs
-    except ValueError as e:
-        out["a2a"] = f"ValueError: {e}"
-        out["from_peer"] = outs[1 - rank]
-    t = torch.full((2,), rank + 1.0)
-    dist.all_reduce(t)
-    out["next"] = t
-    dist.destroy_process_group()
-    return out
+    a2a = _outcome(lambda: dist.all_to_all(outs, ins), outs)
+    return _and_next_all_reduce(rank, {"a2a": a2a, "from_peer": outs[1 - rank]})
 
 
 def wrong_secret(rank: int, world: int) -> None:
