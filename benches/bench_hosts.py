@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _runs import median_of_runs
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
@@ -235,20 +237,6 @@ def run_one(per_host: int, args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"{world} ranks: rank 0 printed no result (exit {procs[0].returncode})")
 
 
-def median_of_runs(per_host: int, args: argparse.Namespace) -> list[dict]:
-    """Each size's row over ``--runs`` fresh runs: the median of each backend's figure, every
-    run's figure kept under ``runs``."""
-    runs = [run_one(per_host, args) for _ in range(args.runs)]
-    rows = []
-    for i, first in enumerate(runs[0]):
-        per = {k: [run[i][k] for run in runs] for k in ("gloo_s", "mcp_s")}
-        row = {"bytes": first["bytes"], **{k: statistics.median(v) for k, v in per.items()}}
-        if args.runs > 1:
-            row["runs"] = per
-        rows.append(row)
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--per-host", type=int, nargs="+", default=[1, 2])
@@ -299,7 +287,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     result = []
     for per_host in args.per_host:
-        for row in median_of_runs(per_host, args):
+        runs = [run_one(per_host, args) for _ in range(args.runs)]
+        for row in median_of_runs(runs, key="bytes"):
             tg, tm = row["gloo_s"], row["mcp_s"]
             print(
                 f"| {per_host} | {human(row['bytes'])} | {tg * 1e3:.2f} ms | {tm * 1e3:.2f} ms "

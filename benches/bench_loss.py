@@ -39,6 +39,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from _runs import median_of_runs
+
 
 def free_port(kind: int) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
@@ -141,20 +143,6 @@ def run_condition(args: argparse.Namespace, world: int, loss: float, rate: str |
     return json.loads(lines[-1])
 
 
-def repeated(args: argparse.Namespace, world: int, loss: float, rate: str | None) -> list[dict]:
-    """Each size's row: the median over ``--runs`` fresh runs of each backend's median,
-    every run's median kept under ``runs``."""
-    runs = [run_condition(args, world, loss, rate) for _ in range(args.runs)]
-    rows = []
-    for i, first in enumerate(runs[0]):
-        names = [k for k in first if k != "mib"]
-        per = {k: [run[i][k] for run in runs] for k in names}
-        rows.append({"mib": first["mib"], **{k: statistics.median(v) for k, v in per.items()}})
-        if args.runs > 1:
-            rows[-1]["runs"] = per
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -188,7 +176,8 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     todo = [(w, loss, rate) for w in args.worlds for loss, rate in conds]
     for world, loss, rate in tqdm(todo, desc="links", unit="link", file=sys.stderr):
-        for row in repeated(args, world, loss, rate):
+        runs = [run_condition(args, world, loss, rate) for _ in range(args.runs)]
+        for row in median_of_runs(runs, key="mib"):
             records.append({"world": world, "loss": loss, "rate": rate, **row})
             key = (world, row["mib"], rate)
             if loss == 0:
