@@ -69,6 +69,27 @@ def test_frames_cost_processor_time_on_the_cores_the_ranks_share() -> None:
     assert _core.sim_all_reduce(2, "ring", 64e6, **kw)["elapsed_s"] == bare
 
 
+def test_ranks_that_read_their_host_peers_directly_send_only_what_crosses_hosts() -> None:
+    # Two hosts of two ranks, hierarchical: as frames, a rank sends half the buffer to its
+    # local peer twice and half to the other host; read directly, only the latter (and a
+    # few signals), and the copies cost their readers the intra-host processor time.
+    kw: dict[str, Any] = {"ranks_per_host": 2, "intra_gbps": 1e4, "inter_gbps": 1e4}
+    rings = _core.sim_all_reduce(4, "hierarchical", 64e6, **kw)
+    direct = _core.sim_all_reduce(4, "hierarchical", 64e6, direct_reads=True, **kw)
+    assert rings["exact"] and direct["exact"]
+    assert rings["mean_rank_bytes"] == pytest.approx(96e6, rel=0.01)
+    assert direct["mean_rank_bytes"] == pytest.approx(32e6, rel=0.03)
+    assert direct["host_card_bytes"] == pytest.approx(rings["host_card_bytes"], rel=1e-3)
+    # Each rank copies 64 MB at 1 ns a byte: four cores let the four copy side by side, two
+    # take twice as long (the scaled signals cost their receivers a few percent more).
+    cpu: dict[str, Any] = {"intra_cpu_rx": 1.0, "direct_reads": True}
+    four = _core.sim_all_reduce(4, "hierarchical", 64e6, cores=4, **cpu, **kw)["elapsed_s"]
+    two = _core.sim_all_reduce(4, "hierarchical", 64e6, cores=2, **cpu, **kw)["elapsed_s"]
+    assert direct["elapsed_s"] < 1e-3
+    assert 64e-3 <= four < 64e-3 * 1.05
+    assert 128e-3 <= two < 128e-3 * 1.05
+
+
 def test_a_rendezvous_takes_a_latency_each_way_and_rank_0s_card_sending_the_tables() -> None:
     # 8 hosts at 8 Gbit/s (1 GB/s), 1 ms RTT: the Hellos arrive half a round trip after the
     # start, rank 0's card sends the 7 tables one after the other, the last lands half a

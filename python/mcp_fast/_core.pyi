@@ -54,6 +54,7 @@ def sim_all_reduce(
     inter_cpu_rx: float = 0.0,
     inter_burst_bytes: float = 0.0,
     inter_peak_gbps: float = 0.0,
+    direct_reads: bool = False,
 ) -> dict[str, Any]: ...
 def sim_rendezvous(
     world: int,

@@ -612,6 +612,7 @@ def _predict(
         inter_cpu_rx=quic,
         inter_burst_bytes=burst,
         inter_peak_gbps=KERNEL_LINK_GBPS if burst else 0.0,
+        direct_reads=True,
     )
 
 

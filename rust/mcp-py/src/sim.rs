@@ -48,8 +48,11 @@ fn topology(
 /// receiving end, on `cores` cores per machine shared by `ranks_per_machine` consecutive
 /// ranks (0: every rank on one machine). `inter_burst_bytes` > 0 puts the links between
 /// hosts behind a token-bucket shaper (`tc tbf`) of that burst over a line of
-/// `inter_peak_gbps`. A failed rank is found by the transport's own
-/// failure detector, with keep-alives every `heartbeat_s`.
+/// `inter_peak_gbps`. With `direct_reads` the ranks of a host read each other's tensors
+/// where the algorithm does (hierarchical), as real processes do, each copy costing a core
+/// `intra_cpu_rx` nanoseconds per byte. A
+/// failed rank is found by the transport's own failure detector, with keep-alives every
+/// `heartbeat_s`.
 #[pyfunction]
 #[pyo3(signature = (
     world, algorithm, nbytes, *, ranks_per_host=1, codec="none", block=256,
@@ -57,7 +60,7 @@ fn topology(
     seed=0, heartbeat_s=5.0, fail_rank=None, fail_at_s=0.0, timeout_s=86400.0,
     intra_overhead_s=0.0, inter_overhead_s=0.0, cores=0, ranks_per_machine=0,
     intra_cpu_tx=0.0, intra_cpu_rx=0.0, inter_cpu_tx=0.0, inter_cpu_rx=0.0,
-    inter_burst_bytes=0.0, inter_peak_gbps=0.0
+    inter_burst_bytes=0.0, inter_peak_gbps=0.0, direct_reads=false
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn sim_all_reduce<'py>(
@@ -88,6 +91,7 @@ pub fn sim_all_reduce<'py>(
     inter_cpu_rx: f64,
     inter_burst_bytes: f64,
     inter_peak_gbps: f64,
+    direct_reads: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let algorithm = Algorithm::from_name(algorithm).map_err(|e| to_py(py, e))?;
     let codec = Codec::from_name(codec, block).map_err(|e| to_py(py, e))?;
@@ -114,6 +118,7 @@ pub fn sim_all_reduce<'py>(
         });
     }
     cfg.seed = seed;
+    cfg.direct_reads = direct_reads;
     cfg.heartbeat = secs("heartbeat_s", heartbeat_s)?;
     if let Some(rank) = fail_rank {
         cfg.faults.push(Fault::Rank {

@@ -234,7 +234,9 @@ impl PeerTensors {
         dst: &mut [u8],
     ) -> Result<()> {
         let (pid, addr) = self.at[p];
-        peer_memory::read(pid, addr + offset as u64, dst).map_err(|e| read_error(ctx, p, e))
+        peer_memory::read(pid, addr + offset as u64, dst).map_err(|e| read_error(ctx, p, e))?;
+        ctx.t.read_from_peer(dst.len());
+        Ok(())
     }
 }
 

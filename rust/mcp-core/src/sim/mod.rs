@@ -128,11 +128,18 @@ pub struct SimConfig {
     /// The processors the ranks run on, or `None` for no CPU model (frames cost no
     /// processor time).
     pub cpu: Option<Cpus>,
+    /// Whether the ranks of a host read each other's tensors directly where an algorithm
+    /// does so (the hierarchical and direct collectives), as a real group's processes do
+    /// where the kernel lets them (`process_vm_readv`; here every rank lives in one process).
+    /// With a CPU model each read books its copy on the machine's cores at the intra-host
+    /// links' receiving cost per byte; what moves between hosts still goes as frames. Off,
+    /// those algorithms move the host's data as frames over the intra-host links instead.
+    pub direct_reads: bool,
 }
 
 impl SimConfig {
     /// `world` ranks on `topology`, seed 0, no scaling, no faults, the transport's default
-    /// 5 s heartbeat, no trace, no CPU model.
+    /// 5 s heartbeat, no trace, no CPU model, no direct reads.
     pub fn new(world: usize, topology: Topology) -> SimConfig {
         SimConfig {
             world,
@@ -143,6 +150,7 @@ impl SimConfig {
             heartbeat: Duration::from_secs(5),
             trace: false,
             cpu: None,
+            direct_reads: false,
         }
     }
 

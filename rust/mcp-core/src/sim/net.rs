@@ -137,6 +137,9 @@ struct State {
     wire_bytes: Vec<f64>,
     inter_host_bytes: f64,
     finished: Vec<Option<u64>>,
+    /// Until when each rank is busy copying from its local peers (direct reads): its next
+    /// frame leaves, and its operation ends, no earlier.
+    reading_until: Vec<u64>,
     trace: Vec<TraceEvent>,
 }
 
@@ -177,6 +180,20 @@ fn idle(busy: &Busy, s: u64, len: u64) -> bool {
         || busy
             .iter()
             .all(|&(a, b)| b <= s || a >= s.saturating_add(len))
+}
+
+/// How long a core stays idle from `s` (`u64::MAX`: for good), or `None` if it is busy at `s`.
+fn idle_for(busy: &Busy, s: u64) -> Option<u64> {
+    if busy.iter().any(|&(a, b)| a <= s && s < b) {
+        return None;
+    }
+    Some(
+        busy.iter()
+            .map(|&(a, _)| a)
+            .filter(|&a| a > s)
+            .min()
+            .map_or(u64::MAX, |a| a - s),
+    )
 }
 
 /// Marks a core busy for `len` from `s`.
@@ -303,6 +320,7 @@ impl SimNet {
             wire_bytes: vec![0.0; w],
             inter_host_bytes: 0.0,
             finished: vec![None; w],
+            reading_until: vec![0; w],
             trace: Vec::new(),
         };
         for f in &cfg.faults {
@@ -338,7 +356,7 @@ impl SimNet {
         self.now_in(&st)
     }
 
-    fn host(&self, rank: usize) -> usize {
+    pub(super) fn host(&self, rank: usize) -> usize {
         rank / self.cfg.topology.ranks_per_host
     }
 
@@ -461,6 +479,49 @@ impl SimNet {
         }
     }
 
+    /// Rank `me` read `bytes` (real, scaled here) of a local peer's tensor: with a CPU model,
+    /// the copy takes the intra-host links' receiving cost per byte of its machine's cores,
+    /// from when the rank's earlier copies are done. One thread copies, so its pieces follow
+    /// each other; they fill the cores' idle gaps, as a scheduler slices a long copy between
+    /// the frames booked already. The rank's next frame leaves, and its operation ends, only
+    /// after the copy (`reading_until`).
+    fn read_locally(&self, me: usize, bytes: usize) {
+        let Some(cpu) = self.cfg.cpu else {
+            return;
+        };
+        let mut left =
+            (bytes as f64 * self.cfg.scale * self.cfg.topology.intra.cpu_rx).ceil() as u64;
+        let mut st = self.lock();
+        let mut t = self.now_in(&st).max(st.reading_until[me]);
+        let machine = &mut st.cores[me / cpu.ranks_per_machine];
+        // Each piece ends the copy or fills a gap up to a booking: at most one piece per
+        // booking, and the last one after every booking.
+        for _ in 0..=machine.iter().map(Vec::len).sum::<usize>() {
+            if left == 0 {
+                break;
+            }
+            // The earliest moment from `t` at which a core is idle, and how long it stays so.
+            let mut starts: Vec<u64> = std::iter::once(t)
+                .chain(machine.iter().flatten().map(|&(_, end)| end))
+                .filter(|&x| x >= t)
+                .collect();
+            starts.sort_unstable();
+            let Some((s, core, gap)) = starts.into_iter().find_map(|s| {
+                machine
+                    .iter()
+                    .enumerate()
+                    .find_map(|(c, busy)| idle_for(busy, s).map(|gap| (s, c, gap)))
+            }) else {
+                break;
+            };
+            let piece = left.min(gap);
+            occupy(&mut machine[core], s, piece);
+            t = s.saturating_add(piece);
+            left -= piece;
+        }
+        st.reading_until[me] = t.saturating_add(left);
+    }
+
     fn send(&self, src: usize, dst: usize, header: &Header, payload: &[u8]) -> Result<()> {
         if dst >= self.cfg.world {
             return Err(Error::InvalidArgument(format!(
@@ -477,6 +538,8 @@ impl SimNet {
         }
         let now = self.now_in(&st);
         self.connect(&mut st, src, dst, now);
+        // A rank copying from its local peers sends once the copy is done.
+        let ready = now.max(st.reading_until[src]);
         // Aborts and control frames are real bytes (never scaled) and go ahead of the data
         // queued on the link, as the transport sends them; they queue behind each other and
         // push the data back by their own time on the wire (a rendezvous table sent to every
@@ -516,7 +579,7 @@ impl SimNet {
             *free = (*free).max(start).saturating_add(wire);
             (start, end)
         } else {
-            let at = now.max(*free);
+            let at = ready.max(*free);
             // Tokens counted at `at`: a frame that then waits for a core finds no fewer.
             let wire = spec.shaped_ns(bytes, bucket, at);
             let (start, end) = match self.cfg.cpu {
@@ -602,7 +665,7 @@ impl SimNet {
     pub(crate) fn finish(&self, rank: usize) {
         let mut st = self.lock();
         let now = self.now_in(&st);
-        st.finished[rank] = Some(now);
+        st.finished[rank] = Some(now.max(st.reading_until[rank]));
     }
 
     /// Applies one event (outside the state lock: mailboxes wake tasks).
@@ -818,6 +881,27 @@ impl Transport for SimTransport {
 
     fn op_finished(&self, seq: u64) {
         self.net.progress(self.rank, seq, false);
+    }
+
+    fn local_pid(&self, peer: usize) -> Option<u32> {
+        let cfg = &self.net.cfg;
+        (cfg.direct_reads && peer < cfg.world && self.net.host(peer) == self.net.host(self.rank))
+            .then(std::process::id)
+    }
+
+    fn reads_peer_memory(&self, peer: usize) -> bool {
+        self.local_pid(peer).is_some()
+    }
+
+    fn read_from_peer(&self, bytes: usize) {
+        self.net.read_locally(self.rank, bytes);
+    }
+
+    /// Always: a simulation stands for a group's steady state, in which the members of an
+    /// operation remember from the one before that they read each other (no probe round).
+    fn direct_reads_known(&self, peers: &[(usize, u32)]) -> bool {
+        let _ = peers;
+        true
     }
 
     async fn goodbye(&self) {}

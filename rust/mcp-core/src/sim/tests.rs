@@ -804,3 +804,60 @@ fn a_rank_that_never_comes_is_named_at_the_rendezvous_deadline() {
         report.elapsed
     );
 }
+
+#[test]
+fn the_ranks_of_a_host_read_each_other_directly_when_told_and_each_copy_costs_its_reader() {
+    // Two hosts of two ranks, a hierarchical all-reduce of S bytes. Without direct reads the
+    // host's data moves as frames: each rank sends S/2 to its local peer in the
+    // reduce-scatter, S/2 to the other host (its shard's ring of two hosts), S/2 to its peer
+    // in the all-gather. With them, a rank sends only the S/2 to the other host and a few
+    // one-byte signals.
+    let bytes = 64e6;
+    let fast = LinkSpec::new(Duration::from_micros(20), 1e13);
+    let topo = Topology {
+        ranks_per_host: 2,
+        intra: fast,
+        inter: fast,
+    };
+    let run = |direct: bool| {
+        let mut cfg = SimConfig::new(4, topo);
+        cfg.direct_reads = direct;
+        let t = timed(&cfg, Algorithm::Hierarchical, bytes, Codec::None);
+        assert!(t.exact && t.ok_ranks == 4, "{t:?}");
+        t
+    };
+    let (rings, direct) = (run(false), run(true));
+    let within = |got: f64, want: f64| (got - want).abs() < want * 0.01;
+    assert!(within(rings.mean_rank_bytes, 1.5 * bytes), "{rings:?}");
+    // (The 9-byte address and 1-byte signals are scaled like every payload, 62,500 times
+    // here: 2.3 % more.)
+    let signals = direct.mean_rank_bytes - bytes / 2.0;
+    assert!(signals > 0.0 && signals < bytes * 0.015, "{direct:?}");
+    assert!(within(direct.host_card_bytes, rings.host_card_bytes));
+    // Each rank copies S, one copy after another: its shard of its peer's tensor, then the
+    // peer's finished shard. One host of two ranks at c per byte: S x c on two cores, where
+    // the two ranks copy side by side; twice that on one core; nothing without a CPU model.
+    let c = 1.0;
+    let copy = bytes * c * 1e-9;
+    let one_host = |cores: usize| {
+        let mut cfg = SimConfig::new(2, topo);
+        cfg.topology.intra = fast.with_cpu(0.0, c);
+        cfg.direct_reads = true;
+        cfg.cpu = (cores > 0).then_some(Cpus {
+            cores,
+            ranks_per_machine: 2,
+        });
+        let t = timed(&cfg, Algorithm::Hierarchical, bytes, Codec::None);
+        assert!(t.exact && t.ok_ranks == 2, "{t:?}");
+        t.elapsed.as_secs_f64()
+    };
+    // (The scaled address and signals cost their receivers about 1 % more.)
+    for (cores, want) in [(2, copy), (1, 2.0 * copy)] {
+        let got = one_host(cores);
+        assert!(
+            got >= want && got < want * 1.03,
+            "{cores} cores: {got} s, not {want} s"
+        );
+    }
+    assert!(one_host(0) < copy / 100.0);
+}

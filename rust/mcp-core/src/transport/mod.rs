@@ -102,6 +102,13 @@ pub trait Transport: Send + Sync + 'static {
         let _ = peers;
     }
 
+    /// This rank read (and reduced) `bytes` of a local peer's tensor directly. A simulated
+    /// network books the processor time of the copy on its machine's cores; real transports,
+    /// whose copies take real time, ignore it.
+    fn read_from_peer(&self, bytes: usize) {
+        let _ = bytes;
+    }
+
     /// Drops every connection now, telling the peers this process left (for a group
     /// abandoned after a failure: nothing in flight is worth delivering any more).
     fn leave_now(&self) {}
