@@ -53,9 +53,9 @@ pub struct AllReduceTiming {
 /// The algorithm a real group's [`Algorithm::Auto`] picks for `bytes` per rank on `cfg`'s
 /// hosts, with the default [`GroupConfig::small_bytes`]; any other algorithm is returned as is.
 ///
-/// On one host a real group reads its peers' tensors directly ([`Algorithm::Direct`]); the
-/// simulated network has no processes to read, so the ring over the intra-host links stands
-/// for it here (as the rings do inside the hierarchical all-reduce's hosts).
+/// On one host a real group reads its peers' tensors directly ([`Algorithm::Direct`]); here
+/// the ring over the intra-host links stands for it, so that a one-host simulation times its
+/// links whether or not [`super::SimConfig::direct_reads`] is on.
 pub fn resolve_auto(cfg: &SimConfig, algorithm: Algorithm, bytes: f64) -> Algorithm {
     let rph = cfg.topology.ranks_per_host.max(1);
     let hosts = cfg.world.div_ceil(rph);
