@@ -90,6 +90,21 @@ def test_ranks_that_read_their_host_peers_directly_send_only_what_crosses_hosts(
     assert 128e-3 <= two < 128e-3 * 1.05
 
 
+@pytest.mark.parametrize("dead", [1, 2])
+def test_a_rank_lost_while_its_host_peer_reads_it_fails_every_survivor(dead: int) -> None:
+    # Two hosts of two ranks reading each other directly, over a slow card (the operation
+    # takes 5.1 s): rank 1 (rank 0's host peer) or rank 2 (on the other host) dies at 1 ms.
+    # Every survivor ends in the same named loss when the detectors find it silent, none
+    # waits for a signal that never comes.
+    kw: dict[str, Any] = {"ranks_per_host": 2, "inter_gbps": 0.1, "direct_reads": True}
+    out = _core.sim_all_reduce(
+        4, "hierarchical", 64e6, fail_rank=dead, fail_at_s=1e-3, heartbeat_s=1.0, **kw
+    )
+    assert out["ok_ranks"] == 0
+    assert f"peer rank {dead} lost" in out["error"], out["error"]
+    assert 2.5 <= out["elapsed_s"] < 2.51
+
+
 def test_a_rendezvous_takes_a_latency_each_way_and_rank_0s_card_sending_the_tables() -> None:
     # 8 hosts at 8 Gbit/s (1 GB/s), 1 ms RTT: the Hellos arrive half a round trip after the
     # start, rank 0's card sends the 7 tables one after the other, the last lands half a

@@ -12,6 +12,7 @@ use super::link::{Bucket, LinkRng, LinkSpec};
 use super::{Cpus, Fault, SimConfig, TraceEvent};
 use crate::error::{Error, Result};
 use crate::health::{Action, PeerMonitor, ProgressWatch};
+use crate::transport::peer_memory;
 use crate::transport::{Frame, Mailbox, Payload, SeqSpace, Transport};
 use crate::wire::{FrameKind, Header};
 use bytes::Bytes;
@@ -19,7 +20,7 @@ use std::cmp::{Ordering as CmpOrdering, Reverse};
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -832,6 +833,17 @@ pub(crate) async fn drive(net: Arc<SimNet>, runnable: Arc<AtomicUsize>) {
     }
 }
 
+/// Whether this process may read its own memory with `process_vm_readv` (a seccomp filter
+/// may forbid the call), probed once.
+fn own_memory_readable() -> bool {
+    static READABLE: OnceLock<bool> = OnceLock::new();
+    *READABLE.get_or_init(|| {
+        let src = [0x5au8; 8];
+        let mut dst = [0u8; 8];
+        peer_memory::read(std::process::id(), src.as_ptr() as u64, &mut dst).is_ok() && dst == src
+    })
+}
+
 /// One rank's end of a simulated network.
 pub struct SimTransport {
     rank: usize,
@@ -897,11 +909,13 @@ impl Transport for SimTransport {
         self.net.read_locally(self.rank, bytes);
     }
 
-    /// Always: a simulation stands for a group's steady state, in which the members of an
-    /// operation remember from the one before that they read each other (no probe round).
+    /// Whenever this process may read its own memory: a simulation stands for a group's
+    /// steady state, in which the members of an operation remember from the one before that
+    /// they read each other (no probe round). Where the kernel forbids the call, the members
+    /// probe, are refused and take the rings, as real ones do.
     fn direct_reads_known(&self, peers: &[(usize, u32)]) -> bool {
         let _ = peers;
-        true
+        own_memory_readable()
     }
 
     async fn goodbye(&self) {}
