@@ -51,6 +51,27 @@ def test_a_bad_environment_value_names_the_variable(monkeypatch, name, value, wh
         Settings.resolve()
 
 
+@pytest.mark.parametrize(
+    ("config", "spec", "message"),
+    [
+        ('{"mtu": 1300, "mtus": 1}', None, 'unknown transport config key "mtus"'),
+        ('{"mtu": "big"}', None, "mtu"),
+        (None, '{"arch": "gpt2", "precisionn": "bf16"}', "precisionn"),
+    ],
+)
+def test_a_bad_config_or_model_spec_file_is_refused_as_it_is_read(
+    monkeypatch, tmp_path, config, spec, message
+) -> None:
+    """Before any socket or store: each rank of a job refuses the file by itself."""
+    for name, text in (("MCP_CONFIG", config), ("MCP_MODEL_SPEC", spec)):
+        monkeypatch.delenv(name, raising=False)
+        if text is not None:
+            (tmp_path / f"{name}.json").write_text(text)
+            monkeypatch.setenv(name, str(tmp_path / f"{name}.json"))
+    with pytest.raises(ValueError, match=message):
+        Settings.resolve()
+
+
 _COUNT_WORKERS = """
 import os, sys, time
 import mcp_fast as mcp

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -395,6 +396,33 @@ def test_int8_with_error_feedback_converges_like_uncompressed() -> None:
 def test_recv_without_a_source() -> None:
     got = ok(run("torch_workers.torch_any_source", 3, timeout=90))[0]
     assert got == [2, 1]
+
+
+def test_a_rank_whose_store_goes_away_while_it_waits_for_rank_zero_is_told_rank_zero_stopped():
+    """Rank 0 hosts torch's TCPStore: when it fails to start, it takes the store down, and a
+    rank polling for its address must say so rather than raise the store's socket error."""
+    import torch.distributed as dist
+
+    from _launch import free_port
+    from mcp_fast.errors import PeerLostError
+    from mcp_fast.torch import backend
+
+    port = free_port()
+    # A "rank 0" that hosts the store, then exits without publishing anything.
+    code = (
+        "import sys, time, torch.distributed as d\n"
+        f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False)\n"
+        "print('up', flush=True); time.sleep(0.5)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as p:
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "up"
+            client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
+            with pytest.raises(PeerLostError, match="rank 0 stopped before it published") as e:
+                backend._published(client, "mcp/addr", 30.0)
+            assert e.value.rank == 0 and e.value.op == "init_process_group"
+        finally:
+            p.kill()
 
 
 def test_bind_address_rules(monkeypatch: pytest.MonkeyPatch) -> None:

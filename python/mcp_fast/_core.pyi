@@ -14,6 +14,9 @@ __version__: str
 
 def reduce_into(dst: TensorArg, src: TensorArg, op: str) -> None: ...
 def codec_round_trip(x: TensorArg, codec: str, block: int = 256) -> None: ...
+def check_settings(
+    config: dict[str, Any] | None = None, model_spec: dict[str, Any] | None = None
+) -> None: ...
 def netem_forward(
     fd_a: int,
     fd_b: int,

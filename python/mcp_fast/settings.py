@@ -35,7 +35,9 @@ Precedence: an explicit keyword argument, then the config (``config=``, else the
 ``MCP_CONFIG`` names), then the other environment variables, then the defaults. The one key
 that overlaps another setting is ``heartbeat_interval`` (``heartbeat=`` / ``MCP_HEARTBEAT``).
 
-Values are checked once, by the core, which names the setting that is wrong.
+Values are checked by the core, which names the setting that is wrong; the config and the
+model spec as soon as they are read, so that a bad file stops every rank at once instead of
+one rank failing while the others wait for it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import _core
 
 __all__ = ["Settings", "env_float", "env_int", "load_config", "load_model_spec"]
 
@@ -168,6 +172,10 @@ class Settings:
         config, then the environment, then the defaults. ``heartbeat`` is ``None`` when the
         config's ``heartbeat_interval`` decides it."""
         cfg = load_config(config)
+        spec = load_model_spec(model_spec)
+        # Checked here, by the core, so that a bad file fails each rank at once, before it
+        # waits on the others (or on a store that a failed rank 0 takes down with it).
+        _core.check_settings(cfg or None, spec)
         if heartbeat is None and "heartbeat_interval" not in cfg:
             heartbeat = _first(env_float("MCP_HEARTBEAT"), 5.0)
         s = _first(secret, os.environ.get("MCP_SECRET") or None)
@@ -190,7 +198,7 @@ class Settings:
             ),
             zero_rtt=bool(_first(zero_rtt, env_int("MCP_ZERO_RTT"), 1)),
             config=cfg,
-            model_spec=load_model_spec(model_spec),
+            model_spec=spec,
         )
 
     def core_kwargs(self) -> dict[str, Any]:

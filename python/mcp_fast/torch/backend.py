@@ -782,23 +782,39 @@ class MCPProcessGroup(dist.ProcessGroup):
         self.shutdown()
 
 
+# What a torch Store raises once its server is gone (DistNetworkError since torch 2.2).
+_STORE_GONE: type[Exception] = getattr(dist, "DistNetworkError", ConnectionError)
+
+
 def _published(store: Any, key: str, seconds: float) -> bytes:
     """What rank 0 publishes under ``key``, once it is there. ``store.get`` would block in
     C++ until the store's timeout, deaf to Ctrl-C; ``check`` answers at once, so this waits
     in Python, polling at most ten times a second per rank."""
     deadline = time.monotonic() + seconds
     pause = 0.005
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            from ..errors import MCPTimeoutError
+    try:
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                from ..errors import MCPTimeoutError
 
-            raise MCPTimeoutError(
-                f"rank 0 published no {key!r} in torch's store within {seconds:g} s: is it "
-                "running, and did its init_process_group(backend='mcp') start?"
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, 0.1)
-    return bytes(store.get(key))
+                raise MCPTimeoutError(
+                    f"rank 0 published no {key!r} in torch's store within {seconds:g} s: is "
+                    "it running, and did its init_process_group(backend='mcp') start?"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
+        return bytes(store.get(key))
+    except _STORE_GONE as e:
+        # With the default TCPStore, rank 0 hosts the store: a rank 0 that failed to start
+        # takes it down before the others read why.
+        from ..errors import PeerLostError
+
+        raise PeerLostError(
+            f"torch's store closed while this rank waited for {key!r} from rank 0: rank 0 "
+            f"stopped before it published it (its own error says why) ({e})",
+            rank=0,
+            op="init_process_group",
+        ) from e
 
 
 def _split(t: torch.Tensor, sizes: list[int], w: int) -> list[torch.Tensor]:

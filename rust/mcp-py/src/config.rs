@@ -43,3 +43,18 @@ pub(crate) fn settings(config: Option<&Bound<'_, PyDict>>) -> PyResult<Transport
     TransportSettings::parse(pairs.iter().map(|(k, v)| (k.as_str(), v)))
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
+
+/// Checks a transport config and a model spec (either may be `None`) as a group, a parameter
+/// server or a worker would on starting, without starting anything: every rank can refuse
+/// a bad file itself before it waits for the others (the torch backend's rank 0 hosts the
+/// store the other ranks wait on, and would take it down with it).
+#[pyfunction]
+#[pyo3(signature = (config=None, model_spec=None))]
+pub(crate) fn check_settings(
+    config: Option<&Bound<'_, PyDict>>,
+    model_spec: Option<&Bound<'_, PyDict>>,
+) -> PyResult<()> {
+    settings(config)?;
+    crate::model_decl::canonical(model_spec)?;
+    Ok(())
+}

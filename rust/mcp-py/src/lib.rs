@@ -28,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sim::sim_rendezvous, m)?)?;
     m.add_function(wrap_pyfunction!(sim::sim_membership_change, m)?)?;
     m.add_function(wrap_pyfunction!(netem::netem_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_settings, m)?)?;
     delta::register(m)?;
     elastic::register(m)?;
     health::register(m)?;
