@@ -66,3 +66,20 @@ def torch_with_config(rank: int, world: int, pg_options: Any) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def torch_rank0_refuses(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 alone has a lane the core refuses (``MCP_LANE``); every rank tries
+    ``init_process_group("mcp")``."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import mcp_fast.torch  # noqa: F401  (registers "mcp")
+
+    if rank == 0:
+        os.environ["MCP_LANE"] = "fast"
+    dist.init_process_group("mcp", timeout=timedelta(seconds=60))
+    dist.destroy_process_group()
+    return {}

@@ -203,6 +203,19 @@ def test_the_torch_backend_takes_pg_options_or_mcp_config(tmp_path) -> None:
         assert 'unknown transport config key "mtus"' in r.message, r.message
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_setting_only_rank_zero_refuses_reaches_every_rank_in_torch(world) -> None:
+    """Rank 0 hosts torch's store: it waits for the others to read its error before it
+    raises, so that they raise it too rather than lose the store under them."""
+    pytest.importorskip("torch")
+    results = run("config_workers.torch_rank0_refuses", world, timeout=120)
+    assert all(isinstance(r, Failure) for r in results), results
+    for rank, r in enumerate(results):
+        assert r.type == "ValueError", r.message
+        assert "lane must be 'auto', 'stream' or 'fec', got \"fast\"" in r.message, r.message
+        assert ("rank 0 could not start the mcp backend" in r.message) == (rank > 0), r.message
+
+
 def test_the_parameter_server_takes_the_config() -> None:
     """One stream per connection and a container's MTU: concurrent pushes wait for the stream,
     none fails, and the sums are exact."""

@@ -330,7 +330,7 @@ class MCPProcessGroup(dist.ProcessGroup):
             try:
                 ip = _bind_ip()
             except ValueError as e:
-                store.set("mcp/addr", f"error:{e}")  # the other ranks raise it too, not wait
+                _tell_the_others(store, size, str(e), seconds)
                 raise
             try:
                 core = _core.ProcessGroup(
@@ -342,13 +342,13 @@ class MCPProcessGroup(dist.ProcessGroup):
                     **kwargs,
                 )
             except ValueError as e:
-                # A bad setting (e.g. a config key) is refused before binding: the others
-                # raise it too instead of losing the store.
-                store.set("mcp/addr", f"error:{e}")
+                # A bad setting only rank 0 has (e.g. its MCP_LANE) is refused before binding.
+                _tell_the_others(store, size, str(e), seconds)
                 raise
         else:
             addr = _published(store, "mcp/addr", seconds).decode()
             if addr.startswith("error:"):
+                store.add(_ERROR_READ, 1)  # rank 0 may go now
                 raise ValueError(f"rank 0 could not start the mcp backend: {addr[6:]}")
             host, port = _split_addr(addr)
             core = _core.ProcessGroup(rank, size, host, port, **kwargs)
@@ -780,6 +780,21 @@ class MCPProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self._mcp.abort()  # in-flight operations fail at once
         self.shutdown()
+
+
+# How many ranks have read rank 0's start-up error, and how long rank 0 waits for them.
+_ERROR_READ = "mcp/addr_error_read"
+_ERROR_LINGER_S = 30.0
+
+
+def _tell_the_others(store: Any, size: int, error: str, seconds: float) -> None:
+    """Publishes rank 0's start-up error, then waits (at most ``_ERROR_LINGER_S`` or the
+    timeout) until every other rank has read it: with the default TCPStore, rank 0 hosts the
+    store, and raising at once would take it down before the others see why."""
+    store.set("mcp/addr", f"error:{error}")
+    deadline = time.monotonic() + min(seconds, _ERROR_LINGER_S)
+    while store.add(_ERROR_READ, 0) < size - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 # What a torch Store raises once its server is gone (DistNetworkError since torch 2.2).
