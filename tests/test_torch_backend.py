@@ -408,16 +408,20 @@ def test_a_rank_whose_store_goes_away_while_it_waits_for_rank_zero_is_told_rank_
     from mcp_fast.torch import backend
 
     port = free_port()
-    # A "rank 0" that hosts the store, then exits without publishing anything.
+    # A "rank 0" that hosts the store, then exits without publishing anything once told to
+    # (its stdin closes): only after this rank is connected, however loaded the machine is.
     code = (
-        "import sys, time, torch.distributed as d\n"
+        "import sys, torch.distributed as d\n"
         f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False)\n"
-        "print('up', flush=True); time.sleep(0.5)\n"
+        "print('up', flush=True); sys.stdin.read()\n"
     )
-    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as p:
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    with subprocess.Popen([sys.executable, "-c", code], **pipes) as p:
         try:
-            assert p.stdout is not None and p.stdout.readline().strip() == "up"
+            assert p.stdin is not None and p.stdout is not None
+            assert p.stdout.readline().strip() == "up"
             client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
+            p.stdin.close()
             with pytest.raises(PeerLostError, match="rank 0 stopped before it published") as e:
                 backend._published(client, "mcp/addr", 30.0)
             assert e.value.rank == 0 and e.value.op == "init_process_group"

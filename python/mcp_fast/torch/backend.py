@@ -15,6 +15,7 @@ CUDA tensors are staged through host memory (see ``_staging``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import os
@@ -348,7 +349,8 @@ class MCPProcessGroup(dist.ProcessGroup):
         else:
             addr = _published(store, "mcp/addr", seconds).decode()
             if addr.startswith("error:"):
-                store.add(_ERROR_READ, 1)  # rank 0 may go now
+                with contextlib.suppress(_STORE_GONE):  # rank 0 may have stopped waiting
+                    store.add(_ERROR_READ, 1)  # rank 0 may go now
                 raise ValueError(f"rank 0 could not start the mcp backend: {addr[6:]}")
             host, port = _split_addr(addr)
             core = _core.ProcessGroup(rank, size, host, port, **kwargs)
